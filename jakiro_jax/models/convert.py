@@ -1,0 +1,211 @@
+"""HuggingFace Llama-family state dicts <-> our params pytree, both directions.
+
+HF keeps one `[out, in]` matrix per projection; we fuse q/k/v per kv group into
+`qkv [K, G+2, H, D]` and gate/up into `gate_up [2, F, D]`. Both directions are reshapes,
+concatenations and splits only, so a round trip is bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping
+
+import numpy as np
+
+from jakiro_jax.models.config import LlamaConfig
+
+_HF_LAYER = "model.layers.{i}."
+
+
+def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+  """Every key a HF checkpoint of this architecture holds, with its shape."""
+  d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+  shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+  if not cfg.tie_word_embeddings:
+    shapes["lm_head.weight"] = (cfg.vocab_size, d)
+  for i in range(cfg.num_layers):
+    p = _HF_LAYER.format(i=i)
+    shapes.update({
+        p + "self_attn.q_proj.weight": (q, d),
+        p + "self_attn.k_proj.weight": (kv, d),
+        p + "self_attn.v_proj.weight": (kv, d),
+        p + "self_attn.o_proj.weight": (d, q),
+        p + "mlp.gate_proj.weight": (f, d),
+        p + "mlp.up_proj.weight": (f, d),
+        p + "mlp.down_proj.weight": (d, f),
+        p + "input_layernorm.weight": (d,),
+        p + "post_attention_layernorm.weight": (d,),
+    })
+    if cfg.attention_bias:
+      shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                     p + "self_attn.v_proj.bias": (kv,)})
+  return shapes
+
+
+def check_hf_state_dict(cfg: LlamaConfig, state: Mapping[str, np.ndarray],
+                        allow_extra: bool = False) -> None:
+  """Raises ValueError listing missing, unexpected and mis-shaped keys."""
+  expected = expected_hf_shapes(cfg)
+  ignorable = ("rotary_emb.inv_freq",)
+  missing = sorted(set(expected) - set(state))
+  extra = sorted(k for k in set(state) - set(expected)
+                 if not k.endswith(ignorable)
+                 and not (k == "lm_head.weight" and cfg.tie_word_embeddings))
+  wrong = sorted(f"{k}: {tuple(np.shape(state[k]))} != {expected[k]}"
+                 for k in set(expected) & set(state)
+                 if tuple(np.shape(state[k])) != expected[k])
+  problems = []
+  if missing:
+    problems.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+  if extra and not allow_extra:
+    problems.append(f"unexpected keys {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+  if wrong:
+    problems.append(f"wrong shapes {wrong[:8]}")
+  if problems:
+    raise ValueError("state dict does not match the config: " + "; ".join(problems))
+
+
+def params_from_hf(cfg: LlamaConfig, state: Mapping[str, np.ndarray]) -> dict:
+  """HF-named arrays (numpy or anything `np.asarray` takes) -> params pytree (numpy)."""
+  check_hf_state_dict(cfg, state)
+  dtype = np.dtype(cfg.dtype) if cfg.dtype != "bfloat16" else None
+
+  def get(key):
+    a = np.asarray(state[key])
+    return a.astype(dtype) if dtype is not None else a
+
+  kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
+  params = {"embed_tokens": {"embedding": get("model.embed_tokens.weight")},
+            "final_norm": {"scale": get("model.norm.weight")}}
+  if not cfg.tie_word_embeddings:
+    params["lm_head"] = get("lm_head.weight")
+  for i in range(cfg.num_layers):
+    p = _HF_LAYER.format(i=i) + "self_attn."
+    qkv = np.concatenate([
+        get(p + "q_proj.weight").reshape(kv, g, hd, d),
+        get(p + "k_proj.weight").reshape(kv, 1, hd, d),
+        get(p + "v_proj.weight").reshape(kv, 1, hd, d)], axis=1)
+    attn = {"qkv": qkv, "o": get(p + "o_proj.weight").reshape(d, kv, g, hd)}
+    if cfg.attention_bias:
+      attn["qkv_bias"] = np.concatenate([
+          get(p + "q_proj.bias").reshape(kv, g, hd),
+          get(p + "k_proj.bias").reshape(kv, 1, hd),
+          get(p + "v_proj.bias").reshape(kv, 1, hd)], axis=1)
+    m = _HF_LAYER.format(i=i)
+    params[f"layers_{i}"] = {
+        "input_norm": {"scale": get(m + "input_layernorm.weight")},
+        "post_attention_norm": {"scale": get(m + "post_attention_layernorm.weight")},
+        "attn": attn,
+        "mlp": {"gate_up": np.stack([get(m + "mlp.gate_proj.weight"),
+                                     get(m + "mlp.up_proj.weight")]),
+                "down": get(m + "mlp.down_proj.weight")},
+    }
+  return {"params": params}
+
+
+def params_to_hf(cfg: LlamaConfig, variables: Mapping) -> dict[str, np.ndarray]:
+  """Params pytree -> HF-named numpy arrays (the inverse of `params_from_hf`)."""
+  params = variables["params"]
+  kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
+  q, kvd = cfg.num_heads * hd, kv * hd
+  state = {"model.embed_tokens.weight": np.asarray(params["embed_tokens"]["embedding"]),
+           "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
+  if not cfg.tie_word_embeddings:
+    state["lm_head.weight"] = np.asarray(params["lm_head"])
+  for i in range(cfg.num_layers):
+    layer = params[f"layers_{i}"]
+    p = _HF_LAYER.format(i=i)
+    qkv = np.asarray(layer["attn"]["qkv"])
+    state[p + "self_attn.q_proj.weight"] = qkv[:, :g].reshape(q, d)
+    state[p + "self_attn.k_proj.weight"] = qkv[:, g].reshape(kvd, d)
+    state[p + "self_attn.v_proj.weight"] = qkv[:, g + 1].reshape(kvd, d)
+    state[p + "self_attn.o_proj.weight"] = np.asarray(layer["attn"]["o"]).reshape(d, q)
+    if cfg.attention_bias:
+      bias = np.asarray(layer["attn"]["qkv_bias"])
+      state[p + "self_attn.q_proj.bias"] = bias[:, :g].reshape(q)
+      state[p + "self_attn.k_proj.bias"] = bias[:, g].reshape(kvd)
+      state[p + "self_attn.v_proj.bias"] = bias[:, g + 1].reshape(kvd)
+    gate_up = np.asarray(layer["mlp"]["gate_up"])
+    state[p + "mlp.gate_proj.weight"] = gate_up[0]
+    state[p + "mlp.up_proj.weight"] = gate_up[1]
+    state[p + "mlp.down_proj.weight"] = np.asarray(layer["mlp"]["down"])
+    state[p + "input_layernorm.weight"] = np.asarray(layer["input_norm"]["scale"])
+    state[p + "post_attention_layernorm.weight"] = np.asarray(
+        layer["post_attention_norm"]["scale"])
+  return {k: np.ascontiguousarray(v) for k, v in state.items()}
+
+
+def read_safetensors_dir(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
+  """All tensors of a HF directory (single `model.safetensors` or sharded with index)."""
+  from safetensors import SafetensorError
+  from safetensors.numpy import load_file
+
+  model_dir = os.fspath(model_dir)
+  index = os.path.join(model_dir, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+  elif os.path.exists(os.path.join(model_dir, "model.safetensors")):
+    files = ["model.safetensors"]
+  else:
+    raise FileNotFoundError(
+        f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+  state = {}
+  for name in files:
+    path = os.path.join(model_dir, name)
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"shard {name} listed in the index is missing from {model_dir}")
+    try:
+      state.update(_load_safetensors_any_dtype(path, load_file))
+    except (SafetensorError, OSError, ValueError) as e:
+      raise ValueError(f"cannot read {path} (corrupt or truncated?): {e}") from None
+  return state
+
+
+def _load_safetensors_any_dtype(path, load_file):
+  try:
+    return load_file(path)
+  except (TypeError, ValueError) as e:
+    if "bf16" not in str(e).lower() and "bfloat16" not in str(e).lower():
+      raise
+  # numpy has no bfloat16: read through the flax backend, which returns jax arrays.
+  from safetensors.flax import load_file as load_flax
+  return {k: np.asarray(v, dtype=np.float32) for k, v in load_flax(path).items()}
+
+
+def write_hf_dir(cfg: LlamaConfig, variables: Mapping, out_dir: str | os.PathLike,
+                 tokenizer=None, max_shard_bytes: int = 2 << 30) -> None:
+  """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`)."""
+  from safetensors.numpy import save_file
+
+  out_dir = os.fspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  state = params_to_hf(cfg, variables)
+  shards, current, size = [], {}, 0
+  for key in sorted(state):
+    nbytes = state[key].nbytes
+    if current and size + nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[key] = state[key]
+    size += nbytes
+  shards.append(current)
+  if len(shards) == 1:
+    save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+  else:
+    weight_map = {}
+    for n, shard in enumerate(shards):
+      name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+      save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+      weight_map.update({k: name for k in shard})
+    total = sum(a.nbytes for a in state.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  hf = cfg.to_hf_dict()
+  if tokenizer is not None:
+    hf.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    tokenizer.save_pretrained(out_dir)
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2)

@@ -1,0 +1,66 @@
+"""Static KV cache and the boolean attention masks that read it.
+
+Axis letters: L layers, B batch, S cache slots (max_len), T new tokens, K kv heads,
+H head dim, N tree nodes.
+
+New tokens are always written at slots `lengths[b] + t` (t = 0..T-1); `lengths` only
+moves when the caller commits tokens. RoPE positions are passed separately, so tree
+siblings can share a position while owning distinct slots.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class KVCache:
+  k: jax.Array  # [L, B, S, K, H]
+  v: jax.Array  # [L, B, S, K, H]
+  lengths: jax.Array  # [B] int32, committed tokens per row
+
+  @classmethod
+  def init(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
+           head_dim: int, dtype=jnp.float32) -> "KVCache":
+    shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def batch(self) -> int:
+    return self.k.shape[1]
+
+  def write_slots(self, num_new: int) -> jax.Array:
+    """Slots `[B, T]` where a forward over `num_new` tokens writes its K/V."""
+    return self.lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+
+
+def causal_mask(lengths: jax.Array, num_new: int, max_len: int) -> jax.Array:
+  """`[B, T, S]`: new token t of row b sees slots `<= lengths[b] + t`."""
+  slots = jnp.arange(max_len, dtype=jnp.int32)
+  last = lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+  return slots[None, None, :] <= last[:, :, None]
+
+
+def tree_mask(lengths: jax.Array, ancestor: jax.Array, max_len: int) -> jax.Array:
+  """`[B, N, S]` for N tree nodes written at slots `lengths .. lengths + N - 1`.
+
+  Node i sees the committed prefix plus the slots of its ancestors (self included),
+  `ancestor[b, i, j]` being true when node j is on node i's root path.
+  """
+  num_nodes = ancestor.shape[-1]
+  slots = jnp.arange(max_len, dtype=jnp.int32)
+  offset = slots[None, :] - lengths[:, None]  # [B, S]
+  in_prefix = offset < 0
+  in_tree = (offset >= 0) & (offset < num_nodes)
+  node = jnp.clip(offset, 0, num_nodes - 1)  # [B, S]
+  sees_node = jnp.take_along_axis(
+      ancestor, jnp.broadcast_to(node[:, None, :], ancestor.shape[:2] + (max_len,)),
+      axis=2)  # [B, N, S]
+  return in_prefix[:, None, :] | (in_tree[:, None, :] & sees_node)

@@ -1,0 +1,212 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) in Flax Linen.
+
+Axis letters: B batch, T new tokens, S cache slots, D hidden, K kv heads, G query heads
+per kv head, C = G + 2 (queries, key, value of one kv group), H head dim, F mlp width,
+V vocab, L layers.
+
+Weights are stored [out, in] like the HuggingFace checkpoints, with two fusions that make
+the batch-1 decode step (a chain of memory-bound matvecs) faster on every backend:
+q/k/v of one kv group are one tensor `qkv [K, C, H, D]`, and gate/up are one tensor
+`gate_up [2, F, D]`. Conversion to and from HF names is reshapes and concatenations only
+(see `convert.py`).
+
+One forward serves prefill, decode and tree verification:
+`apply(params, tokens[B,T], positions[B,T], cache, mask[B,T,S])` ->
+`(logits[B,T,V] | None, features[B,T,D], cache)`; K/V of the new tokens are written at
+slots `cache.lengths + t`, positions are only used by RoPE.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jakiro_jax.models.config import LlamaConfig, rope_inverse_frequencies
+from jakiro_jax.models.kv_cache import KVCache
+
+_INIT_STDDEV = 0.02  # HF initializer_range default
+
+
+def _weight(module: nn.Module, name: str, shape: Sequence[int],
+            axes: Sequence[str | None], dtype, init=None) -> jax.Array:
+  init = init or nn.initializers.normal(_INIT_STDDEV)
+  return module.param(name, nn.with_logical_partitioning(init, tuple(axes)),
+                      tuple(shape), dtype)
+
+
+def _matmul_out_in(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
+  """Contracts the last `in_dims` axes of x with the last `in_dims` axes of w [out..., in...].
+
+  Done as one 2-D `[M, in] x [out, in]^T` product: with several free axes XLA's CPU dot
+  lowering transposes the weight on every call, which for a decode step means copying
+  every weight once per token.
+  """
+  out_shape, in_shape = w.shape[:w.ndim - in_dims], w.shape[w.ndim - in_dims:]
+  lead = x.shape[:x.ndim - in_dims]
+  w2 = w.reshape(-1, np.prod(in_shape))
+  y = jnp.einsum("MI,OI->MO", x.reshape(-1, w2.shape[1]), w2)
+  return y.reshape(lead + out_shape)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = _weight(self, "scale", (x.shape[-1],), ("embed",), self.dtype,
+                    nn.initializers.ones)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return scale * x32.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotate-half RoPE. x `[B, T, ..., H]`, positions `[B, T]`, inv_freq `[H/2]`."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  extra = x.ndim - angles.ndim
+  angles = angles.reshape(angles.shape[:2] + (1,) * extra + angles.shape[2:])
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention over the static cache of one layer."""
+  config: LlamaConfig
+  layer: int
+
+  @nn.compact
+  def __call__(self, x, positions, cache: KVCache, mask):
+    cfg = self.config
+    kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
+    qkv_w = _weight(self, "qkv", (kv, g + 2, hd, d),
+                    ("kv_heads", None, "head_dim", "embed"), cfg.dtype)
+    qkv = _matmul_out_in(x, qkv_w, in_dims=1)  # [B, T, K, C, H]
+    if cfg.attention_bias:
+      qkv = qkv + _weight(self, "qkv_bias", (kv, g + 2, hd),
+                          ("kv_heads", None, "head_dim"), cfg.dtype,
+                          nn.initializers.zeros)
+    inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))
+    q = apply_rope(qkv[:, :, :, :g], positions, inv_freq)  # [B, T, K, G, H]
+    k_new = apply_rope(qkv[:, :, :, g], positions, inv_freq)  # [B, T, K, H]
+    v_new = qkv[:, :, :, g + 1]
+
+    slots = cache.write_slots(x.shape[1])  # [B, T]
+    rows = jnp.arange(x.shape[0])[:, None]
+    k_all = cache.k.at[self.layer, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
+    v_all = cache.v.at[self.layer, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
+    keys, values = k_all[self.layer], v_all[self.layer]  # [B, S, K, H]
+
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys).astype(jnp.float32)
+    scores = scores * (hd ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values)
+    o_w = _weight(self, "o", (d, kv, g, hd), ("embed", "kv_heads", None, "head_dim"),
+                  cfg.dtype)
+    out = _matmul_out_in(out, o_w, in_dims=3)
+    return out, cache.replace(k=k_all, v=v_all)
+
+
+class MLP(nn.Module):
+  """SwiGLU: down(silu(gate x) * up x)."""
+  hidden_size: int
+  intermediate_size: int
+  dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x):
+    gate_up_w = _weight(self, "gate_up", (2, self.intermediate_size, self.hidden_size),
+                        (None, "mlp", "embed"), self.dtype)
+    gate_up = _matmul_out_in(x, gate_up_w, in_dims=1)  # [B, T, 2, F]
+    h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    down_w = _weight(self, "down", (self.hidden_size, self.intermediate_size),
+                     ("embed", "mlp"), self.dtype)
+    return _matmul_out_in(h, down_w, in_dims=1)
+
+
+class DecoderLayer(nn.Module):
+  config: LlamaConfig
+  layer: int
+  input_norm: bool = True  # EAGLE-style drafts feed the first layer un-normalised
+
+  @nn.compact
+  def __call__(self, x, positions, cache, mask):
+    cfg = self.config
+    h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="input_norm")(x) if self.input_norm else x
+    h, cache = Attention(cfg, self.layer, name="attn")(h, positions, cache, mask)
+    x = x + h
+    h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_attention_norm")(x)
+    x = x + MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, name="mlp")(h)
+    return x, cache
+
+
+class Llama(nn.Module):
+  config: LlamaConfig
+
+  def setup(self):
+    cfg = self.config
+    self.embed_tokens = nn.Embed(
+        cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.dtype,
+        embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(_INIT_STDDEV), ("vocab", "embed")))
+    self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_layers)]
+    self.final_norm = RMSNorm(cfg.rms_norm_eps, cfg.dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = self.param(
+          "lm_head", nn.with_logical_partitioning(nn.initializers.normal(_INIT_STDDEV),
+                                                  ("vocab", "embed")),
+          (cfg.vocab_size, cfg.hidden_size), cfg.dtype)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+               mask: jax.Array, compute_logits: bool = True):
+    """tokens, positions `[B, T]` int32; mask `[B, T, S]` bool.
+
+    Returns `(logits [B, T, V] or None, features [B, T, D], cache)`.
+    """
+    x = self.embed_tokens(tokens)
+    for layer in self.layers:
+      x, cache = layer(x, positions, cache, mask)
+    features = self.final_norm(x)
+    logits = self.logits(features) if compute_logits else None
+    return logits, features, cache
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """Token embeddings `[..., D]` (drafts share them)."""
+    return self.embed_tokens(tokens)
+
+  def logits(self, features: jax.Array) -> jax.Array:
+    """lm_head over post-norm features `[..., D]` -> `[..., V]` (fp32)."""
+    if self.config.tie_word_embeddings:
+      head = self.embed_tokens.embedding
+    else:
+      head = self.lm_head
+    return jnp.einsum("...D,VD->...V", features, head).astype(jnp.float32)
+
+
+def init_params(config: LlamaConfig, rng: jax.Array, boxed: bool = False):
+  """Random params (plain arrays unless `boxed`, which keeps logical-axis metadata)."""
+  model = Llama(config)
+  cache = KVCache.init(config.num_layers, 1, 2, config.num_kv_heads, config.head_dim,
+                       config.dtype)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  variables = model.init(rng, tokens, tokens, cache, jnp.ones((1, 1, 2), bool))
+  return variables if boxed else nn.unbox(variables)
+
+
+def param_logical_axes(config: LlamaConfig):
+  """The params pytree with a `PartitionSpec` of logical axis names at each leaf."""
+  boxed = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0), boxed=True))
+  return nn.get_partition_spec(boxed)
+
+
+def new_cache(config: LlamaConfig, batch: int, max_len: int) -> KVCache:
+  return KVCache.init(config.num_layers, batch, max_len, config.num_kv_heads,
+                      config.head_dim, config.dtype)

@@ -1,0 +1,136 @@
+"""The autoregressive baseline: prefill + one jitted `lax.while_loop` of decode steps.
+
+Every speedup is measured against this loop, so it shares the target forward with the
+speculative loop and is kept as fast as we can make it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.models.kv_cache import KVCache, causal_mask
+from jakiro_jax.models.llama import Llama, new_cache
+from jakiro_jax.spec.batching import prepare_batch
+from jakiro_jax.spec.sampling import SamplingConfig, sample_token
+
+
+@flax.struct.dataclass
+class ARState:
+  step: jax.Array  # [] int32, index of the next output column
+  last_token: jax.Array  # [B] int32
+  tokens: jax.Array  # [B, max_new] int32, pad after a row stops
+  num_generated: jax.Array  # [B] int32
+  done: jax.Array  # [B] bool
+  cache: KVCache
+
+
+def is_stop_token(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
+  stop = jnp.zeros(tokens.shape, bool)
+  for t in stop_ids:
+    stop = stop | (tokens == t)
+  return stop
+
+
+def prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
+            cache: KVCache):
+  """Runs right-padded prompts `[B, P]` through the target.
+
+  Returns `(logits [B, V] at each row's last prompt token, features [B, P, D], cache)`
+  with `cache.lengths = prompt_lengths`.
+  """
+  batch, prompt_len = prompt.shape
+  cache = cache.replace(lengths=jnp.zeros((batch,), jnp.int32))
+  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompt.shape)
+  mask = causal_mask(cache.lengths, prompt_len, cache.max_len)
+  _, features, cache = model.apply(params, prompt, positions, cache, mask,
+                                   compute_logits=False)
+  last = features[jnp.arange(batch), prompt_lengths - 1]  # [B, D]
+  logits = model.apply(params, last, method=Llama.logits)
+  return logits, features, cache.replace(lengths=prompt_lengths)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "max_new_tokens", "sampling", "stop_ids", "pad_id"),
+    donate_argnames=("cache",))
+def ar_generate_jit(params, prompt: jax.Array, prompt_lengths: jax.Array,
+                    budgets: jax.Array, rng: jax.Array, cache: KVCache, *,
+                    config: LlamaConfig, max_new_tokens: int, sampling: SamplingConfig,
+                    stop_ids: tuple[int, ...], pad_id: int):
+  """Generates up to `budgets[b] <= max_new_tokens` tokens per row.
+
+  prompt `[B, P]` right-padded, prompt_lengths/budgets `[B]` int32. A row stops after a
+  stop token (kept in the output) or its budget. Returns the final `ARState`.
+  """
+  model = Llama(config)
+  batch = prompt.shape[0]
+  logits, _, cache = prefill(model, params, prompt, prompt_lengths, cache)
+  first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
+  tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+  state = ARState(
+      step=jnp.int32(1), last_token=first, tokens=tokens,
+      num_generated=jnp.ones((batch,), jnp.int32),
+      done=is_stop_token(first, stop_ids) | (budgets <= 1), cache=cache)
+
+  def cond(s: ARState):
+    return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+  def body(s: ARState):
+    lengths = s.cache.lengths
+    mask = causal_mask(lengths, 1, s.cache.max_len)
+    logits, _, cache = model.apply(params, s.last_token[:, None], lengths[:, None],
+                                   s.cache, mask)
+    token = sample_token(jax.random.fold_in(rng, s.step), logits[:, 0], sampling)
+    active = ~s.done
+    num_generated = s.num_generated + active
+    return ARState(
+        step=s.step + 1,
+        last_token=token,
+        tokens=s.tokens.at[:, s.step].set(jnp.where(active, token, pad_id)),
+        num_generated=num_generated,
+        done=s.done | is_stop_token(token, stop_ids) | (num_generated >= budgets),
+        cache=cache.replace(lengths=lengths + active))
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+  """Generated tokens per row (stop token included when hit) and timing."""
+  tokens: list[list[int]]
+  seconds: float  # wall time of the jitted call, compilation excluded when warm
+  steps: int  # target forwards after prefill
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(len(t) for t in self.tokens)
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def generate_ar(target, prompts: Sequence[Sequence[int]],
+                max_new_tokens: int | Sequence[int] = 128,
+                sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+                max_len: int | None = None) -> GenerationOutput:
+  """Autoregressive generation for a batch of token-id prompts of any lengths."""
+  batch = prepare_batch(target.config, prompts, max_new_tokens, max_len)
+  cache = new_cache(target.config, len(batch.lengths), batch.max_len)
+  start = time.perf_counter()
+  state = ar_generate_jit(
+      target.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+      jnp.asarray(batch.budgets), jax.random.PRNGKey(seed), cache,
+      config=target.config, max_new_tokens=int(batch.budgets.max()), sampling=sampling,
+      stop_ids=tuple(target.stop_ids), pad_id=0)
+  tokens, counts, steps = jax.device_get((state.tokens, state.num_generated, state.step))
+  seconds = time.perf_counter() - start
+  return GenerationOutput([list(map(int, t[:n])) for t, n in zip(tokens, counts)],
+                          seconds, int(steps) - 1)

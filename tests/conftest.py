@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random targets (with their transformers twins) and SmolLM2."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+from jakiro_jax.target import Target, target_from_torch
+
+# Distinct, mostly prime sizes so that a transposed axis cannot go unnoticed.
+TINY_LLAMA = dict(vocab_size=97, hidden_size=72, intermediate_size=88, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=12,
+                  rope_theta=1000.0, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, eos_token_id=3, bos_token_id=1)
+
+
+def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):
+  """A random fp32 transformers model of a tiny config (eval mode)."""
+  import torch
+  import transformers
+
+  kwargs = dict(TINY_LLAMA, **overrides)
+  if kind == "qwen2":
+    kwargs.pop("head_dim")
+    kwargs.update(hidden_size=72, num_attention_heads=6, num_key_value_heads=2)
+    config, cls = transformers.Qwen2Config(**kwargs), transformers.Qwen2ForCausalLM
+  else:
+    config, cls = transformers.LlamaConfig(**kwargs), transformers.LlamaForCausalLM
+  torch.manual_seed(seed)
+  model = cls(config).eval()
+  if kind == "qwen2":  # random biases, so a dropped bias would show
+    with torch.no_grad():
+      for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+          proj.bias.normal_(0, 0.5)
+  return model
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+  """(transformers model, our Target) of one tiny random Llama."""
+  model = tiny_hf_model("llama")
+  return model, target_from_torch(model)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+  """The embedded SmolLM2-135M-Instruct target (fp32), read once per session."""
+  from jakiro_jax.target import load_target
+  return load_target("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2):
+  """A plain transformers LlamaForCausalLM holding the same dequantized weights."""
+  import torch
+  import transformers
+
+  from jakiro_jax.models.convert import params_to_hf
+
+  config = transformers.LlamaConfig(**{
+      k: v for k, v in smollm2.config.to_hf_dict().items()
+      if k not in ("architectures", "model_type", "torch_dtype")})
+  model = transformers.LlamaForCausalLM(config).eval()
+  state = {k: torch.from_numpy(np.array(v)) for k, v in
+           params_to_hf(smollm2.config, smollm2.params).items()}
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+  model.tie_weights()
+  return model
+
+
+def random_prompts(rng: np.random.RandomState, vocab: int, lengths) -> list[list[int]]:
+  return [list(rng.randint(4, vocab, size=n)) for n in lengths]
+
+
+__all__ = ["Target", "tiny_hf_model", "random_prompts"]
