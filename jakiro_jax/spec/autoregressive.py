@@ -6,6 +6,7 @@ speculative loop and is kept as fast as we can make it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -20,6 +21,9 @@ from jakiro_jax.models.kv_cache import KVCache, causal_mask
 from jakiro_jax.models.llama import Llama, new_cache
 from jakiro_jax.spec.batching import prepare_batch
 from jakiro_jax.spec.sampling import SamplingConfig, sample_token
+
+
+TRACE_COUNT: collections.Counter = collections.Counter()
 
 
 @flax.struct.dataclass
@@ -69,6 +73,7 @@ def ar_generate_jit(params, prompt: jax.Array, prompt_lengths: jax.Array,
   prompt `[B, P]` right-padded, prompt_lengths/budgets `[B]` int32. A row stops after a
   stop token (kept in the output) or its budget. Returns the final `ARState`.
   """
+  TRACE_COUNT["ar_generate"] += 1  # runs at trace time only: counts compilations
   model = Llama(config)
   batch = prompt.shape[0]
   logits, _, cache = prefill(model, params, prompt, prompt_lengths, cache)
