@@ -58,21 +58,8 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2):
   """A plain transformers LlamaForCausalLM holding the same dequantized weights."""
-  import torch
-  import transformers
-
-  from jakiro_jax.models.convert import params_to_hf
-
-  config = transformers.LlamaConfig(**{
-      k: v for k, v in smollm2.config.to_hf_dict().items()
-      if k not in ("architectures", "model_type", "torch_dtype")})
-  model = transformers.LlamaForCausalLM(config).eval()
-  state = {k: torch.from_numpy(np.array(v)) for k, v in
-           params_to_hf(smollm2.config, smollm2.params).items()}
-  missing, unexpected = model.load_state_dict(state, strict=False)
-  assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-  model.tie_weights()
-  return model
+  from jakiro_jax.models.hf_reference import torch_model_from_target
+  return torch_model_from_target(smollm2)
 
 
 def random_prompts(rng: np.random.RandomState, vocab: int, lengths) -> list[list[int]]:

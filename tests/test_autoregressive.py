@@ -4,20 +4,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import random_prompts
+from jakiro_jax.models.hf_reference import hf_greedy_generate
 from jakiro_jax.spec import autoregressive
 from jakiro_jax.spec.autoregressive import generate_ar
 from jakiro_jax.spec.sampling import SamplingConfig
-
-
-def hf_greedy(model, prompt, max_new_tokens, eos=None):
-  with torch.no_grad():
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eos, pad_token_id=0,
-                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-  return out[0, len(prompt):].tolist()
 
 
 def test_greedy_matches_transformers_generate(tiny_pair):
@@ -26,7 +18,7 @@ def test_greedy_matches_transformers_generate(tiny_pair):
   prompts = random_prompts(np.random.RandomState(0), 97, [5, 17, 30])
   for prompt in prompts:
     ours = generate_ar(target, [prompt], max_new_tokens=24).tokens[0]
-    assert ours == hf_greedy(model, prompt, 24)
+    assert ours == hf_greedy_generate(model, prompt, 24)
 
 
 def test_batch_of_different_lengths_equals_each_alone(tiny_pair):
