@@ -1,0 +1,82 @@
+"""EAGLE-2 draft head: fc over [token embedding ; target feature], one Llama decoder layer.
+
+Axis letters: B batch, T positions, D hidden, S draft cache slots, V vocab.
+
+The layer has no input norm and there is no final norm; the target's embedding and lm_head
+are shared (passed in with the target params, never copied into the draft params).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.models.kv_cache import KVCache
+from jakiro_jax.models.llama import DecoderLayer, Llama, _matmul_out_in, _weight
+from jakiro_jax.spec.tree import TreeConfig
+
+
+def draft_layer_config(target: LlamaConfig) -> LlamaConfig:
+  """The draft decoder layer mirrors the target's layer shapes."""
+  return target.replace(num_layers=1)
+
+
+class Eagle2Draft(nn.Module):
+  config: LlamaConfig  # one-layer config
+  fc_bias: bool = True
+
+  @nn.compact
+  def __call__(self, embeds, features, positions, cache: KVCache, mask):
+    """embeds, features `[B, T, D]` -> (hidden `[B, T, D]`, cache)."""
+    cfg = self.config
+    d = cfg.hidden_size
+    x = jnp.concatenate([embeds, features.astype(embeds.dtype)], axis=-1)
+    x = _matmul_out_in(x, _weight(self, "fc", (d, 2 * d), ("embed", None), cfg.dtype), 1)
+    if self.fc_bias:
+      x = x + _weight(self, "fc_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
+    return DecoderLayer(cfg, 0, input_norm=False, name="layers_0")(x, positions, cache, mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle2Drafter:
+  """Hashable description of an EAGLE-2 drafter (a static argument of the jitted loop)."""
+  target_config: LlamaConfig
+  tree: TreeConfig = TreeConfig()
+  fc_bias: bool = True
+  name: str = "eagle2"
+
+  @property
+  def layer_config(self) -> LlamaConfig:
+    return draft_layer_config(self.target_config)
+
+  def module(self) -> Eagle2Draft:
+    return Eagle2Draft(self.layer_config, self.fc_bias)
+
+  def init_params(self, rng: jax.Array):
+    cfg = self.layer_config
+    cache = self.new_cache(1, 2)
+    x = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
+    pos = jnp.zeros((1, 1), jnp.int32)
+    return nn.unbox(self.module().init(rng, x, x, pos, cache, jnp.ones((1, 1, 2), bool)))
+
+  def new_cache(self, batch: int, max_len: int) -> KVCache:
+    cfg = self.layer_config
+    return KVCache.init(1, batch, max_len, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+
+  def extra_cache_slots(self) -> int:
+    """Draft slots used past the committed context within one round."""
+    return max(self.tree.depth * self.tree.top_k, self.tree.max_path)
+
+  def forward(self, params, target_params, tokens, features, positions, cache, mask):
+    """tokens `[B, T]`, features `[B, T, D]` -> (hidden `[B, T, D]`, cache)."""
+    embeds = Llama(self.target_config).apply(target_params, tokens, method=Llama.embed)
+    return self.module().apply(params, embeds, features, positions, cache, mask)
+
+  def log_probs(self, target_params, hidden):
+    """Draft log-probs through the target's lm_head: `[..., D]` -> `[..., V]`."""
+    logits = Llama(self.target_config).apply(target_params, hidden, method=Llama.logits)
+    return jax.nn.log_softmax(logits, axis=-1)

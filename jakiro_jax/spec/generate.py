@@ -1,0 +1,240 @@
+"""The speculative loop: prefill, then (draft tree -> verify -> commit) rounds, one jit.
+
+Axis letters: B batch, P padded prompt, N tree nodes, W max path, D hidden, K top_k.
+
+Bookkeeping per row: the target cache holds `n` committed tokens and the root (the last
+sampled token) is not in it yet. The draft cache holds the pairs (feature_p, token_{p+1})
+for p < n, so its length is n too. A round writes the tree at target slots n.., accepts
+`a` drafted tokens, commits root + a, and feeds the draft the a + 1 new pairs whose last
+token is the bonus, which becomes the next root.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jakiro_jax.models.kv_cache import KVCache, causal_mask, tree_mask
+from jakiro_jax.models.llama import Llama, new_cache
+from jakiro_jax.spec.autoregressive import is_stop_token, prefill
+from jakiro_jax.spec.batching import prepare_batch
+from jakiro_jax.spec.sampling import SamplingConfig, sample_token
+from jakiro_jax.spec.tree import Tree, build_tree, expand_beam
+from jakiro_jax.spec.verify import accept, commit_path
+
+TRACE_COUNT: collections.Counter = collections.Counter()
+
+
+@flax.struct.dataclass
+class SpecState:
+  rounds: jax.Array  # [] int32
+  root: jax.Array  # [B] last sampled token, not yet in the target cache
+  draft_hidden: jax.Array  # [B, D] draft output that predicts the token after root
+  tokens: jax.Array  # [B, max_new] output, pad after a row stops
+  num_generated: jax.Array  # [B]
+  done: jax.Array  # [B] bool
+  accept_lens: jax.Array  # [B, max_new] accepted drafted tokens per round (-1 = no round)
+  target_cache: KVCache
+  draft_cache: KVCache
+
+
+def draft_context(drafter, draft_params, target_params, tokens, features, count,
+                  cache: KVCache):
+  """Feeds pairs (features[t], tokens[t]) at draft slots/positions `lengths + t`.
+
+  tokens `[B, T]`, features `[B, T, D]`, count `[B]` valid pairs per row. Returns the draft
+  output at each row's last valid pair `[B, D]` and the cache with `lengths += count`.
+  """
+  num_new = tokens.shape[1]
+  start = cache.lengths
+  positions = start[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None]
+  mask = causal_mask(start, num_new, cache.max_len)
+  hidden, cache = drafter.forward(draft_params, target_params, tokens, features, positions,
+                                  cache, mask)
+  last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(count, 1) - 1]
+  return last, cache.replace(lengths=start + count)
+
+
+def draft_tree(drafter, draft_params, target_params, hidden_root, root,
+               cache: KVCache) -> tuple[Tree, KVCache]:
+  """EAGLE-2 drafting from the draft output after the root; cache lengths unchanged."""
+  tree_cfg = drafter.tree
+  k = tree_cfg.top_k
+  context = cache.lengths
+  scratch = {"cache": cache}
+
+  def step(i, frontier):
+    # Level i+1 nodes sit at RoPE position n + i and at draft slots n + i*K + j.
+    step_cache = scratch["cache"].replace(lengths=context + i * k)
+    mask = tree_mask(step_cache.lengths - i * k, frontier.ancestor, cache.max_len)
+    positions = jnp.broadcast_to((context + i)[:, None], frontier.tokens.shape)
+    hidden, new = drafter.forward(draft_params, target_params, frontier.tokens,
+                                  frontier.hidden, positions, step_cache, mask)
+    scratch["cache"] = new.replace(lengths=context)
+    return drafter.log_probs(target_params, hidden), hidden
+
+  logp_root = drafter.log_probs(target_params, hidden_root)
+  candidates = expand_beam(step, logp_root, hidden_root, tree_cfg)
+  tree = build_tree(candidates, root, tree_cfg.total_tokens, tree_cfg.depth + 1)
+  return tree, scratch["cache"]
+
+
+def first_stop(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
+  """Index of the first stop token per row of `[B, T]`, T if none."""
+  stop = is_stop_token(tokens, stop_ids)
+  return jnp.where(stop.any(-1), jnp.argmax(stop, axis=-1), tokens.shape[1])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("drafter", "max_new_tokens", "sampling", "stop_ids", "pad_id"),
+    donate_argnames=("target_cache", "draft_cache"))
+def speculative_generate_jit(target_params, draft_params, prompt, prompt_lengths, budgets,
+                             rng, target_cache: KVCache, draft_cache: KVCache, *, drafter,
+                             max_new_tokens: int, sampling: SamplingConfig,
+                             stop_ids: tuple[int, ...], pad_id: int) -> SpecState:
+  """prompt `[B, P]` right-padded; budgets `[B]` <= max_new_tokens. Returns the final state."""
+  TRACE_COUNT["speculative_generate"] += 1  # runs at trace time only: counts compilations
+  model = Llama(drafter.target_config)
+  batch = prompt.shape[0]
+  rows = jnp.arange(batch)
+  max_path = drafter.tree.max_path
+
+  logits, features, target_cache = prefill(model, target_params, prompt, prompt_lengths,
+                                           target_cache)
+  root = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
+  # Draft pair p is (feature_p, token_{p+1}); the last prompt pair takes the root.
+  shifted = jnp.concatenate([prompt[:, 1:], jnp.zeros((batch, 1), prompt.dtype)], axis=1)
+  shifted = shifted.at[rows, prompt_lengths - 1].set(root)
+  hidden_root, draft_cache = draft_context(
+      drafter, draft_params, target_params, shifted, features, prompt_lengths,
+      draft_cache.replace(lengths=jnp.zeros((batch,), jnp.int32)))
+  state = SpecState(
+      rounds=jnp.int32(0), root=root, draft_hidden=hidden_root,
+      tokens=jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(root),
+      num_generated=jnp.ones((batch,), jnp.int32),
+      done=is_stop_token(root, stop_ids) | (budgets <= 1),
+      accept_lens=jnp.full((batch, max_new_tokens), -1, jnp.int32),
+      target_cache=target_cache, draft_cache=draft_cache)
+
+  def cond(s: SpecState):
+    return ~jnp.all(s.done) & (s.rounds < max_new_tokens)
+
+  def body(s: SpecState):
+    tree, draft_cache = draft_tree(drafter, draft_params, target_params, s.draft_hidden,
+                                   s.root, s.draft_cache)
+    cache = s.target_cache
+    mask = tree_mask(cache.lengths, tree.ancestor, cache.max_len)
+    logits, features, cache = model.apply(
+        target_params, tree.tokens, cache.lengths[:, None] + tree.depth, cache, mask)
+    result = accept(tree, logits, sampling, jax.random.fold_in(rng, s.rounds + 1), max_path)
+    active = ~s.done
+    advance = jnp.where(active, result.accept_len + 1, 0)
+    cache = commit_path(cache, result.path, advance)
+
+    # New tokens: the accepted drafted ones, then the bonus; they also pair with the
+    # path's target features as the draft's next context.
+    path_tokens = jnp.take_along_axis(tree.tokens, result.path, axis=1)
+    new_tokens = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)], 1)
+    new_tokens = new_tokens.at[rows, result.accept_len].set(result.bonus)
+    path_features = jnp.take_along_axis(features, result.path[:, :, None], axis=1)
+    hidden_root, draft_cache = draft_context(drafter, draft_params, target_params,
+                                             new_tokens, path_features, advance, draft_cache)
+
+    stop_at = first_stop(new_tokens, stop_ids)
+    count = jnp.minimum(jnp.minimum(result.accept_len + 1, stop_at + 1),
+                        budgets - s.num_generated)
+    count = jnp.where(active, count, 0)
+    offsets = jnp.arange(max_path, dtype=jnp.int32)[None]
+    out_index = jnp.where(offsets < count[:, None], s.num_generated[:, None] + offsets,
+                          max_new_tokens)  # out of range: dropped
+    num_generated = s.num_generated + count
+    return SpecState(
+        rounds=s.rounds + 1,
+        root=jnp.where(active, result.bonus, s.root),
+        draft_hidden=hidden_root,
+        tokens=s.tokens.at[rows[:, None], out_index].set(new_tokens[:, :max_path],
+                                                         mode="drop"),
+        num_generated=num_generated,
+        done=s.done | (active & ((stop_at <= result.accept_len)
+                                 | (num_generated >= budgets))),
+        accept_lens=s.accept_lens.at[:, s.rounds].set(
+            jnp.where(active, result.accept_len, -1)),
+        target_cache=cache, draft_cache=draft_cache)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+@dataclasses.dataclass
+class SpecOutput:
+  """Generated tokens per row and the round statistics."""
+  tokens: list[list[int]]
+  seconds: float
+  accept_lens: list[list[int]]  # per row, drafted tokens accepted in each of its rounds
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(len(t) for t in self.tokens)
+
+  @property
+  def rounds(self) -> int:
+    return max((len(a) for a in self.accept_lens), default=0)
+
+  @property
+  def tau(self) -> float:
+    """Mean tokens per verification forward (accepted + bonus) over all rows' rounds."""
+    lens = [a for row in self.accept_lens for a in row]
+    return float(np.mean(lens)) + 1.0 if lens else float("nan")
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int | Sequence[int] = 128,
+             sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+             max_len: int | None = None) -> SpecOutput:
+  """Speculative generation for a batch of token-id prompts."""
+  check_draft_fits(target, drafter, draft_params)
+  target_extra = drafter.tree.total_tokens
+  draft_extra = drafter.extra_cache_slots()
+  batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
+                        extra_slots=max(target_extra, draft_extra))
+  size = len(batch.lengths)
+  start = time.perf_counter()
+  state = speculative_generate_jit(
+      target.params, draft_params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+      jnp.asarray(batch.budgets), jax.random.PRNGKey(seed),
+      new_cache(target.config, size, batch.max_len), drafter.new_cache(size, batch.max_len),
+      drafter=drafter, max_new_tokens=int(batch.budgets.max()), sampling=sampling,
+      stop_ids=tuple(target.stop_ids), pad_id=0)
+  tokens, counts, accepts = jax.device_get(
+      (state.tokens, state.num_generated, state.accept_lens))
+  seconds = time.perf_counter() - start
+  return SpecOutput([list(map(int, t[:n])) for t, n in zip(tokens, counts)], seconds,
+                    [[int(a) for a in row if a >= 0] for row in accepts])
+
+
+def check_draft_fits(target, drafter, draft_params: Any) -> None:
+  """Clear errors when a draft was built for another target."""
+  if drafter.target_config.hidden_size != target.config.hidden_size:
+    raise ValueError(f"draft hidden size {drafter.target_config.hidden_size} does not match "
+                     f"the target's {target.config.hidden_size}")
+  if drafter.target_config.vocab_size != target.config.vocab_size:
+    raise ValueError(f"draft vocab size {drafter.target_config.vocab_size} does not match "
+                     f"the target's {target.config.vocab_size}")
+  expected = jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0))
+  got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), draft_params)
+  if jax.tree.structure(expected) != jax.tree.structure(got) or any(
+      a.shape != b.shape for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got))):
+    raise ValueError("draft params do not match the drafter's layout (shapes or names "
+                     "differ): was this draft trained for another target or method?")

@@ -1,0 +1,161 @@
+"""EAGLE-2 dynamic draft tree with static shapes.
+
+Axis letters: B batch, K top_k, M candidates, N tree nodes (root included), D hidden,
+V vocab, A draft tree slots (levels fed to the draft x K).
+
+A drafter produces *candidates*: every (token, cumulative log-prob, parent candidate) it
+scored, level 1 first, each later level as a K x K block. `build_tree` keeps the N - 1
+best by cumulative log-prob, orders them by candidate index so parents come before
+children, and derives parents, ancestors and depths. A child's score never exceeds its
+parent's (log-probs are <= 0) and `lax.top_k` breaks ties towards the lower index, which a
+parent always has, so every kept node's parent is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+  """top_k children per node and per level; depth = draft forwards after the context one.
+
+  The tree holds up to depth + 1 drafted levels, so a round yields at most depth + 2 tokens.
+  """
+  top_k: int = 10
+  depth: int = 5
+  total_tokens: int = 60  # verified nodes per round, root included
+
+  def __post_init__(self):
+    if self.top_k < 1 or self.depth < 0 or self.total_tokens < 2:
+      raise ValueError(f"bad tree config {self}: need top_k >= 1, depth >= 0, "
+                       f"total_tokens >= 2")
+    if self.total_tokens - 1 > self.num_candidates:
+      raise ValueError(
+          f"total_tokens={self.total_tokens} needs {self.total_tokens - 1} drafted nodes but "
+          f"top_k={self.top_k}, depth={self.depth} only draft {self.num_candidates}")
+
+  @property
+  def num_candidates(self) -> int:
+    return self.top_k + self.depth * self.top_k * self.top_k
+
+  @property
+  def max_path(self) -> int:
+    """Nodes on the longest root-to-leaf path, root included."""
+    return self.depth + 2
+
+
+@flax.struct.dataclass
+class Candidates:
+  tokens: jax.Array  # [B, M] int32
+  scores: jax.Array  # [B, M] cumulative log-prob
+  parent: jax.Array  # [B, M] int32 candidate index of the parent, -1 = root
+
+
+@flax.struct.dataclass
+class Tree:
+  tokens: jax.Array  # [B, N] int32, node 0 is the root
+  parent: jax.Array  # [B, N] int32 node index, -1 for the root
+  depth: jax.Array  # [B, N] int32, root 0
+  ancestor: jax.Array  # [B, N, N] bool, ancestor[b, i, j]: j on i's root path (self incl.)
+  score: jax.Array  # [B, N] cumulative draft log-prob (root 0)
+
+
+def build_tree(candidates: Candidates, root: jax.Array, num_nodes: int,
+               max_depth: int) -> Tree:
+  """Keeps the best `num_nodes - 1` candidates under `root [B]` (EAGLE-2 rerank)."""
+  _, kept = jax.lax.top_k(candidates.scores, num_nodes - 1)
+  kept = jnp.sort(kept, axis=-1)  # [B, N-1] candidate ids, parents first
+  tokens = jnp.take_along_axis(candidates.tokens, kept, axis=-1)
+  scores = jnp.take_along_axis(candidates.scores, kept, axis=-1)
+  parent_cand = jnp.take_along_axis(candidates.parent, kept, axis=-1)
+  # Node index of each parent: its rank among the kept candidates, plus one for the root.
+  parent_rank = jax.vmap(jnp.searchsorted)(kept, parent_cand)
+  parent = jnp.where(parent_cand < 0, 0, parent_rank + 1).astype(jnp.int32)
+  batch = root.shape[0]
+  parent = jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), parent], axis=1)
+  ancestor = ancestors_from_parents(parent, max_depth)
+  return Tree(
+      tokens=jnp.concatenate([root[:, None].astype(jnp.int32), tokens], axis=1),
+      parent=parent,
+      depth=ancestor.sum(-1).astype(jnp.int32) - 1,
+      ancestor=ancestor,
+      score=jnp.concatenate([jnp.zeros((batch, 1), scores.dtype), scores], axis=1))
+
+
+def ancestors_from_parents(parent: jax.Array, max_depth: int) -> jax.Array:
+  """`[B, N]` parents (root -1) -> `[B, N, N]` ancestor-or-self, for trees of <= max_depth."""
+  num_nodes = parent.shape[-1]
+  eye = jnp.eye(num_nodes, dtype=bool)[None]
+  safe_parent = jnp.maximum(parent, 0)
+  ancestor = eye
+  for _ in range(max_depth):  # each pass reaches one level further up
+    ancestor = eye | (jnp.take_along_axis(ancestor, safe_parent[:, :, None], axis=1)
+                      & (parent >= 0)[:, :, None])
+  return ancestor
+
+
+@flax.struct.dataclass
+class Frontier:
+  """The K nodes fed to the draft at one tree step."""
+  candidate: jax.Array  # [B, K] candidate ids
+  tokens: jax.Array  # [B, K]
+  scores: jax.Array  # [B, K]
+  hidden: jax.Array  # [B, K, D] draft output of each node's parent
+  ancestor: jax.Array  # [B, K, A] draft tree slots each node sees (self included)
+
+
+def topk_level(logp: jax.Array, k: int):
+  """Per-row top-k: `[..., V]` log-probs -> (scores, tokens) `[..., k]`."""
+  scores, tokens = jax.lax.top_k(logp, k)
+  return scores, tokens.astype(jnp.int32)
+
+
+def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
+                config: TreeConfig) -> Candidates:
+  """EAGLE-2 level expansion.
+
+  logp_root `[B, V]`: draft log-probs after the root; hidden_root `[B, D]`: the draft
+  output that produced them. `step(i, frontier) -> (logp [B, K, V], hidden [B, K, D])`
+  runs the draft over the frontier's K nodes (tree step i, draft slots i*K .. i*K+K-1).
+  The K best children (by cumulative log-prob) of each step form the next frontier.
+  """
+  k = config.top_k
+  batch = logp_root.shape[0]
+  slots = config.depth * k
+  scores, tokens = topk_level(logp_root, k)
+  all_tokens, all_scores = [tokens], [scores]
+  all_parents = [jnp.full((batch, k), -1, jnp.int32)]
+  frontier = Frontier(
+      candidate=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
+      tokens=tokens, scores=scores,
+      hidden=jnp.broadcast_to(hidden_root[:, None], (batch, k, hidden_root.shape[-1])),
+      ancestor=jnp.broadcast_to(jnp.eye(k, slots, dtype=bool), (batch, k, slots)))
+  for i in range(config.depth):
+    logp, hidden = step(i, frontier)
+    child_scores, child_tokens = topk_level(logp, k)  # [B, K, K]
+    cumulative = (child_scores + frontier.scores[:, :, None]).reshape(batch, k * k)
+    child_tokens = child_tokens.reshape(batch, k * k)
+    first = k + i * k * k  # candidate id of this block's first entry
+    all_tokens.append(child_tokens)
+    all_scores.append(cumulative)
+    all_parents.append(jnp.repeat(frontier.candidate, k, axis=1))
+    if i + 1 < config.depth:
+      best_scores, best = jax.lax.top_k(cumulative, k)
+      row = best // k
+      new_slot = jax.nn.one_hot((i + 1) * k + jnp.arange(k), slots, dtype=bool)
+      frontier = Frontier(
+          candidate=(first + best).astype(jnp.int32),
+          tokens=jnp.take_along_axis(child_tokens, best, axis=1),
+          scores=best_scores,
+          hidden=jnp.take_along_axis(hidden, row[:, :, None], axis=1),
+          ancestor=jnp.take_along_axis(frontier.ancestor, row[:, :, None], axis=1)
+          | new_slot[None])
+  return Candidates(tokens=jnp.concatenate(all_tokens, axis=1),
+                    scores=jnp.concatenate(all_scores, axis=1),
+                    parent=jnp.concatenate(all_parents, axis=1))

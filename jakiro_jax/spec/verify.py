@@ -1,0 +1,82 @@
+"""Verification of a draft tree against the target, and the commit of the accepted path.
+
+Axis letters: B batch, N tree nodes, V vocab, W max path (root included), L layers,
+S cache slots.
+
+One rule serves greedy and sampling. Walking the nodes in index order (parents before
+children, siblings by draft rank), a child of the current node with token x is accepted
+with probability p(x); on rejection p(x) is zeroed and p renormalised; on acceptance the
+walk moves to the child and p becomes the target distribution there. The bonus token is
+drawn from the final p. With deterministic (top-k) drafts this is multi-candidate
+speculative sampling with one-hot proposals, so the output follows the target exactly.
+Greedy is the same walk with p one-hot at the target argmax: a child is accepted iff it is
+the argmax, and the bonus is the argmax at the deepest accepted node.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jakiro_jax.models.kv_cache import KVCache
+from jakiro_jax.spec.sampling import SamplingConfig, target_probs
+from jakiro_jax.spec.tree import Tree
+
+
+@flax.struct.dataclass
+class Acceptance:
+  accept_len: jax.Array  # [B] drafted tokens accepted (root excluded)
+  path: jax.Array  # [B, W] node ids root..deepest accepted, padded with the last one
+  bonus: jax.Array  # [B] token drawn at the deepest accepted node
+
+
+def accept(tree: Tree, logits: jax.Array, sampling: SamplingConfig, rng: jax.Array,
+           max_path: int) -> Acceptance:
+  """tree nodes `[B, N]`, target logits at every node `[B, N, V]`."""
+  batch, num_nodes = tree.tokens.shape
+  probs = target_probs(logits, sampling)  # [B, N, V]
+  rows = jnp.arange(batch)
+  uniform_rng, bonus_rng = jax.random.split(rng)
+  draws = jax.random.uniform(uniform_rng, (batch, num_nodes))
+
+  def visit(i, carry):
+    current, p = carry
+    token = tree.tokens[:, i]
+    p_token = p[rows, token]
+    tried = tree.parent[:, i] == current
+    accepted = tried & (draws[:, i] < p_token)
+    rejected = tried & ~accepted
+    residual = p.at[rows, token].set(0.0)
+    residual = residual / jnp.maximum(residual.sum(-1, keepdims=True), 1e-30)
+    p = jnp.where(accepted[:, None], probs[:, i],
+                  jnp.where(rejected[:, None], residual, p))
+    return jnp.where(accepted, i, current), p
+
+  current, p = jax.lax.fori_loop(1, num_nodes, visit,
+                                 (jnp.zeros((batch,), jnp.int32), probs[:, 0]))
+  if sampling.greedy:
+    bonus = jnp.argmax(p, axis=-1).astype(jnp.int32)
+  else:
+    bonus = jax.random.categorical(bonus_rng, jnp.log(p), axis=-1).astype(jnp.int32)
+  accept_len = tree.depth[rows, current]
+  on_path = tree.ancestor[rows, current]  # [B, N]
+  path = jnp.stack([
+      jnp.where(d <= accept_len, jnp.argmax(on_path & (tree.depth == d), axis=-1), current)
+      for d in range(max_path)], axis=1).astype(jnp.int32)
+  return Acceptance(accept_len=accept_len, path=path, bonus=bonus)
+
+
+def commit_path(cache: KVCache, path: jax.Array, advance: jax.Array) -> KVCache:
+  """Moves K/V of the path nodes (written at `lengths + node`) to `lengths + 0..W-1`.
+
+  Then `lengths += advance` (accepted + 1 for active rows, 0 for finished ones).
+  Slots past the new length are left as scratch for the next round.
+  """
+  rows = jnp.arange(cache.batch)[:, None]
+  offsets = jnp.arange(path.shape[1], dtype=jnp.int32)[None]
+  source = cache.lengths[:, None] + path
+  dest = cache.lengths[:, None] + offsets
+  k = cache.k.at[:, rows, dest].set(cache.k[:, rows, source], mode="drop")
+  v = cache.v.at[:, rows, dest].set(cache.v[:, rows, source], mode="drop")
+  return cache.replace(k=k, v=v, lengths=cache.lengths + advance)

@@ -1,0 +1,134 @@
+"""The speculative engine: lossless greedy, oracle acceptance, tree invariants, errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_prompts, tiny_hf_model
+from drafters import OracleDrafter
+from jakiro_jax.drafts.eagle2 import Eagle2Drafter
+from jakiro_jax.spec import generate as spec_generate
+from jakiro_jax.spec.autoregressive import generate_ar
+from jakiro_jax.spec.generate import draft_tree, generate
+from jakiro_jax.spec.sampling import SamplingConfig
+from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.target import target_from_torch
+
+TREES = [TreeConfig(top_k=4, depth=3, total_tokens=12), TreeConfig(top_k=1, depth=4,
+                                                                    total_tokens=6),
+         TreeConfig(top_k=3, depth=2, total_tokens=13)]
+
+
+@pytest.fixture(scope="module")
+def target():
+  return dataclasses.replace(target_from_torch(tiny_hf_model(seed=3)), stop_ids=())
+
+
+@pytest.fixture(scope="module")
+def peaky_target():
+  """A tiny target with sharp next-token distributions (a scaled-up lm_head)."""
+  model = tiny_hf_model(seed=4)
+  with __import__("torch").no_grad():
+    model.lm_head.weight.mul_(40.0)
+  return dataclasses.replace(target_from_torch(model), stop_ids=())
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_is_lossless_with_random_drafts(target, tree, batch):
+  drafter = Eagle2Drafter(target.config, tree)
+  for seed in (0, 1):
+    params = drafter.init_params(jax.random.PRNGKey(seed))
+    prompts = random_prompts(np.random.RandomState(seed), 97,
+                             [7, 30, 2, 15][:batch])
+    spec = generate(target, drafter, params, prompts, max_new_tokens=25)
+    assert spec.tokens == generate_ar(target, prompts, max_new_tokens=25).tokens
+
+
+def test_greedy_is_lossless_with_stop_tokens_mid_tree(peaky_target):
+  # With the oracle draft whole paths are accepted, so the stop token lands inside one.
+  target = peaky_target
+  prompts = [[1, 6, 7], [1, 10]]  # the oracle needs prompts to start with its first_token
+  free = generate_ar(target, prompts, max_new_tokens=30).tokens
+  stop = next(t for i, t in enumerate(free[0]) if i >= 6 and free[0].index(t) == i)
+  target = dataclasses.replace(target, stop_ids=(stop,))
+  drafter = OracleDrafter(target.config, TreeConfig(top_k=2, depth=4, total_tokens=10))
+  spec = generate(target, drafter, {}, prompts, max_new_tokens=30)
+  ar = generate_ar(target, prompts, max_new_tokens=30).tokens
+  assert spec.tokens == ar
+  assert spec.tokens[0][-1] == stop and len(spec.tokens[0]) == free[0].index(stop) + 1
+  assert max(spec.accept_lens[0]) == 5  # the stop token came inside an accepted path
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(top_k=1, depth=4, total_tokens=6),
+                                  TreeConfig(top_k=3, depth=3, total_tokens=20)])
+def test_oracle_draft_accepts_every_level(peaky_target, tree):
+  drafter = OracleDrafter(peaky_target.config, tree)
+  prompts = [[1] + p for p in random_prompts(np.random.RandomState(5), 97, [6, 11])]
+  spec = generate(peaky_target, drafter, {}, prompts, max_new_tokens=40)
+  assert spec.tokens == generate_ar(peaky_target, prompts, max_new_tokens=40).tokens
+  for row in spec.accept_lens:
+    assert row == [tree.depth + 1] * len(row)  # every drafted level accepted
+  assert spec.tau == tree.depth + 2
+
+
+def test_tree_invariants(target):
+  tree_cfg = TreeConfig(top_k=4, depth=3, total_tokens=30)
+  drafter = Eagle2Drafter(target.config, tree_cfg)
+  params = drafter.init_params(jax.random.PRNGKey(2))
+  batch, ctx, max_len = 3, 9, 64
+  cache = drafter.new_cache(batch, max_len).replace(lengths=jnp.full((batch,), ctx))
+  hidden = jax.random.normal(jax.random.PRNGKey(3), (batch, target.config.hidden_size))
+  tree, _ = draft_tree(drafter, params, target.params, hidden, jnp.array([1, 2, 3]), cache)
+  parent, depth, ancestor = map(np.asarray, (tree.parent, tree.depth, tree.ancestor))
+  score = np.asarray(tree.score)
+  assert (np.asarray(tree.tokens)[:, 0] == [1, 2, 3]).all()
+  assert (parent[:, 0] == -1).all() and (depth[:, 0] == 0).all()
+  for b in range(batch):
+    for i in range(1, tree_cfg.total_tokens):
+      p = parent[b, i]
+      assert 0 <= p < i  # parents come first, and are selected
+      assert depth[b, i] == depth[b, p] + 1
+      assert score[b, i] <= score[b, p]
+      expected = ancestor[b, p].copy()
+      expected[i] = True
+      np.testing.assert_array_equal(ancestor[b, i], expected)  # ancestor closure
+    assert depth[b].max() <= tree_cfg.depth + 1
+
+
+def test_speculative_loop_compiles_once(target):
+  drafter = Eagle2Drafter(target.config, TREES[0])
+  params = drafter.init_params(jax.random.PRNGKey(0))
+  rng = np.random.RandomState(9)
+  generate(target, drafter, params, random_prompts(rng, 97, [10, 3]), max_new_tokens=12)
+  before = spec_generate.TRACE_COUNT["speculative_generate"]
+  for lengths in ([4, 50], [64, 1], [33, 33]):
+    out = generate(target, drafter, params, random_prompts(rng, 97, lengths),
+                   max_new_tokens=12, seed=3)
+    assert out.rounds > 1
+  assert spec_generate.TRACE_COUNT["speculative_generate"] == before
+
+
+def test_bad_inputs_raise(target):
+  drafter = Eagle2Drafter(target.config, TreeConfig(top_k=4, depth=3, total_tokens=12))
+  params = drafter.init_params(jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match="total_tokens=50 needs 49 drafted nodes but top_k=2, "
+                     "depth=2 only draft 10"):
+    TreeConfig(top_k=2, depth=2, total_tokens=50)
+  with pytest.raises(ValueError, match=r"\+ 12 draft slots = 52 exceeds max_len 50"):
+    generate(target, drafter, params, [[5] * 20], max_new_tokens=20, max_len=50)
+  other = tiny_hf_model(hidden_size=48, num_attention_heads=4, head_dim=12)
+  other_drafter = Eagle2Drafter(target_from_torch(other).config, drafter.tree)
+  with pytest.raises(ValueError, match="draft hidden size 48 does not match the target's 72"):
+    generate(target, other_drafter, other_drafter.init_params(jax.random.PRNGKey(0)),
+             [[5]], 4)
+  small_vocab = Eagle2Drafter(target.config.replace(vocab_size=50), drafter.tree)
+  with pytest.raises(ValueError, match="draft vocab size 50 does not match the target's 97"):
+    generate(target, small_vocab, params, [[5]], 4)
+  with pytest.raises(ValueError, match="draft params do not match"):
+    generate(target, drafter, {"params": {}}, [[5]], 4)
+  with pytest.raises(ValueError, match="temperature must be >= 0"):
+    generate(target, drafter, params, [[5]], 4, SamplingConfig(temperature=-0.5))
