@@ -64,7 +64,7 @@ def run(config, method: str, questions: list[str], max_new_tokens: int, sampling
   from tqdm import tqdm
 
   from jakiro_jax.spec.autoregressive import generate_ar
-  from jakiro_jax.spec.batching import PROMPT_BUCKET, round_up
+  from jakiro_jax.spec.batching import prompt_bucket
   from jakiro_jax.target import load_target
 
   target = load_target(config.target, dtype=config.dtype)
@@ -76,7 +76,7 @@ def run(config, method: str, questions: list[str], max_new_tokens: int, sampling
   # Warm-up compiles every prompt-length bucket used below, untimed.
   warmed = set()
   for prompt in prompts:
-    bucket = round_up(len(prompt), PROMPT_BUCKET)
+    bucket = prompt_bucket(len(prompt))
     if bucket not in warmed:
       ours(prompt, seed)
       warmed.add(bucket)

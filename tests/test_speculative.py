@@ -103,7 +103,7 @@ def test_speculative_loop_compiles_once(target):
   drafter = Eagle2Drafter(target.config, TREES[0])
   params = drafter.init_params(jax.random.PRNGKey(0))
   rng = np.random.RandomState(9)
-  generate(target, drafter, params, random_prompts(rng, 97, [10, 3]), max_new_tokens=12)
+  generate(target, drafter, params, random_prompts(rng, 97, [10, 40]), max_new_tokens=12)
   before = spec_generate.TRACE_COUNT["speculative_generate"]
   for lengths in ([4, 50], [64, 1], [33, 33]):
     out = generate(target, drafter, params, random_prompts(rng, 97, lengths),

@@ -9,12 +9,23 @@ import numpy as np
 
 from jakiro_jax.models.config import LlamaConfig
 
-PROMPT_BUCKET = 64  # prompts pad to a multiple of this, so lengths share compilations
+PROMPT_BUCKET = 64  # long prompts pad to a multiple of this, so lengths share compilations
+MIN_PROMPT_BUCKET = 8  # short prompts pad to a power of two from here up to PROMPT_BUCKET
 CACHE_BUCKET = 64
 
 
 def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
+
+
+def prompt_bucket(length: int) -> int:
+  """Padded prompt length: 8, 16, 32, 64, then multiples of 64."""
+  if length > PROMPT_BUCKET:
+    return round_up(length, PROMPT_BUCKET)
+  bucket = MIN_PROMPT_BUCKET
+  while bucket < length:
+    bucket *= 2
+  return bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +58,7 @@ def prepare_batch(config: LlamaConfig, prompts: Sequence[Sequence[int]],
   if (budgets < 1).any():
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   lengths = np.array([len(p) for p in prompts], np.int32)
-  padded_len = round_up(int(lengths.max()), PROMPT_BUCKET)
+  padded_len = prompt_bucket(int(lengths.max()))
   needed = int((lengths + budgets).max()) + extra_slots
   if max_len is None:
     # Depends on the prompt bucket and budget only, so similar requests share a compile.

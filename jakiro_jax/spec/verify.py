@@ -32,8 +32,12 @@ class Acceptance:
 
 
 def accept(tree: Tree, logits: jax.Array, sampling: SamplingConfig, rng: jax.Array,
-           max_path: int) -> Acceptance:
-  """tree nodes `[B, N]`, target logits at every node `[B, N, V]`."""
+           max_path: int, use_residual: bool = True) -> Acceptance:
+  """tree nodes `[B, N]`, target logits at every node `[B, N, V]`.
+
+  `use_residual=False` keeps rejected tokens in p: a known way to get speculative
+  sampling wrong, kept only so the statistical tests can show they detect it.
+  """
   batch, num_nodes = tree.tokens.shape
   probs = target_probs(logits, sampling)  # [B, N, V]
   rows = jnp.arange(batch)
@@ -47,7 +51,7 @@ def accept(tree: Tree, logits: jax.Array, sampling: SamplingConfig, rng: jax.Arr
     tried = tree.parent[:, i] == current
     accepted = tried & (draws[:, i] < p_token)
     rejected = tried & ~accepted
-    residual = p.at[rows, token].set(0.0)
+    residual = p.at[rows, token].set(0.0) if use_residual else p
     residual = residual / jnp.maximum(residual.sum(-1, keepdims=True), 1e-30)
     p = jnp.where(accepted[:, None], probs[:, i],
                   jnp.where(rejected[:, None], residual, p))

@@ -1,0 +1,64 @@
+"""The embedded SmolLM2-135M-Instruct target end to end (fp32)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jakiro_jax.models.hf_reference import hf_greedy_generate
+from jakiro_jax.spec.autoregressive import generate_ar
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers greater than 10.",
+    "How do I reverse a list in Python?",
+]
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "smollm2_135m.py"
+
+
+def test_greedy_64_tokens_equal_transformers_on_chat_prompts(smollm2, smollm2_hf):
+  prompts = [smollm2.chat_prompt(p) for p in CHAT_PROMPTS]
+  ours = generate_ar(smollm2, prompts, max_new_tokens=64).tokens  # one batch of 5
+  for prompt, row in zip(prompts, ours):
+    assert row == hf_greedy_generate(smollm2_hf, prompt, 64, smollm2.stop_ids)
+
+
+def test_capital_of_france(smollm2):
+  prompt = smollm2.chat_prompt("What is the capital of France?")
+  assert prompt[0] == 1 and prompt[1] != 1  # exactly one <|im_start|>, no extra BOS
+  out = generate_ar(smollm2, [prompt], max_new_tokens=16).tokens[0]
+  assert out[-1] == 2  # stops on <|im_end|>
+  assert smollm2.decode(out).strip() == "The capital of France is Paris."
+
+
+def test_bench_cli_reports_json(tmp_path):
+  questions = tmp_path / "q.jsonl"
+  questions.write_text("\n".join(json.dumps({"question_id": i, "turns": [t]})
+                                 for i, t in enumerate(CHAT_PROMPTS[:2])) + "\n")
+  out = tmp_path / "bench.json"
+  subprocess.run(
+      [sys.executable, "-m", "launch.bench", f"--config={CONFIG}",
+       "--method=ar", f"--questions={questions}", "--max_questions=2",
+       "--max_new_tokens=8", "--temperature=0", f"--json_out={out}", "--compare_hf",
+       "--show=0"], check=True, capture_output=True, text=True, cwd=REPO)
+  report = json.loads(out.read_text())
+  for key in ("method", "target", "temperature", "n_questions", "new_tokens",
+              "tokens_per_s", "hf_tokens_per_s", "hf_mismatches"):
+    assert key in report, key
+  assert report["n_questions"] == 2 and report["hf_mismatches"] == 0
+  assert 2 <= report["new_tokens"] <= 16 and report["tokens_per_s"] > 0
+
+
+def test_bench_cli_rejects_bad_question_file(tmp_path):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"question_id": 1}\n')
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.bench", f"--config={CONFIG}",
+       f"--questions={bad}"], capture_output=True, text=True, cwd=REPO)
+  assert proc.returncode != 0 and "is not a FastChat question" in proc.stderr
