@@ -1,0 +1,88 @@
+"""Saving and loading drafts in our own layout: `draft.json` + `model.safetensors`.
+
+Parameter names are the params-pytree paths joined with '/'. The target's embedding and
+lm_head are never stored. (The original PyTorch layouts are handled by the export module.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from jakiro_jax.drafts import make_drafter
+from jakiro_jax.spec.tree import TreeConfig
+
+SHIPPED_DRAFTS: dict[str, str] = {}  # "<target>-<method>" -> package-relative directory
+
+
+def _flatten(tree, prefix=""):
+  out = {}
+  for key, value in tree.items():
+    path = f"{prefix}{key}"
+    if isinstance(value, dict):
+      out.update(_flatten(value, path + "/"))
+    else:
+      out[path] = np.asarray(value)
+  return out
+
+
+def _unflatten(flat):
+  tree = {}
+  for path, value in flat.items():
+    node = tree
+    *parents, leaf = path.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return tree
+
+
+def save_draft(out_dir, drafter, params, dtype: str | None = None) -> None:
+  from safetensors.numpy import save_file
+
+  os.makedirs(out_dir, exist_ok=True)
+  flat = _flatten(jax.device_get(params))
+  if dtype:
+    flat = {k: v.astype(dtype) for k, v in flat.items()}
+  save_file(flat, os.path.join(out_dir, "model.safetensors"))
+  meta = {"method": drafter.name, "hidden_size": drafter.target_config.hidden_size,
+          "vocab_size": drafter.target_config.vocab_size,
+          "tree": {"top_k": drafter.tree.top_k, "depth": drafter.tree.depth,
+                   "total_tokens": drafter.tree.total_tokens}}
+  with open(os.path.join(out_dir, "draft.json"), "w") as f:
+    json.dump(meta, f, indent=2)
+
+
+def load_draft(source, target, tree: TreeConfig | None = None):
+  """Returns `(drafter, params)` for a draft directory (or a shipped draft's name)."""
+  from safetensors import SafetensorError
+  from safetensors.numpy import load_file
+
+  source = os.fspath(source)
+  if source in SHIPPED_DRAFTS:
+    source = os.path.join(os.path.dirname(os.path.dirname(__file__)), SHIPPED_DRAFTS[source])
+  meta_path = os.path.join(source, "draft.json")
+  if not os.path.isfile(meta_path):
+    raise FileNotFoundError(f"{source} is not a draft directory (no draft.json)")
+  with open(meta_path) as f:
+    try:
+      meta = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{meta_path} is not valid JSON: {e}") from None
+  for field, ours in (("hidden_size", target.config.hidden_size),
+                      ("vocab_size", target.config.vocab_size)):
+    if meta.get(field) != ours:
+      raise ValueError(f"draft {source} was built for {field}={meta.get(field)}, "
+                       f"the target has {ours}")
+  tree = tree or TreeConfig(**meta.get("tree", {}))
+  drafter = make_drafter(meta["method"], target.config, tree)
+  try:
+    flat = load_file(os.path.join(source, "model.safetensors"))
+  except (SafetensorError, OSError) as e:
+    raise ValueError(f"cannot read {source}/model.safetensors (corrupt or missing?): {e}") \
+        from None
+  params = jax.tree.map(lambda a: jax.numpy.asarray(a, target.config.dtype), _unflatten(flat))
+  return drafter, params

@@ -1,0 +1,40 @@
+"""Our own draft directory layout: round trip and clear errors."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jakiro_jax.drafts import make_drafter
+from jakiro_jax.drafts.io import load_draft, save_draft
+from jakiro_jax.spec.tree import TreeConfig
+
+
+def test_round_trip_is_exact(tmp_path, tiny_pair):
+  _, target = tiny_pair
+  drafter = make_drafter("eagle2", target.config, TreeConfig(top_k=3, depth=2, total_tokens=9))
+  params = drafter.init_params(jax.random.PRNGKey(1))
+  save_draft(tmp_path, drafter, params)
+  loaded_drafter, loaded = load_draft(tmp_path, target)
+  assert loaded_drafter == drafter
+  assert jax.tree.structure(loaded) == jax.tree.structure(params)
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_load_errors(tmp_path, tiny_pair):
+  _, target = tiny_pair
+  with pytest.raises(FileNotFoundError, match="not a draft directory"):
+    load_draft(tmp_path, target)
+  with pytest.raises(ValueError, match="unknown draft method 'medusa'"):
+    make_drafter("medusa", target.config)
+  drafter = make_drafter("eagle2", target.config)
+  save_draft(tmp_path, drafter, drafter.init_params(jax.random.PRNGKey(0)))
+  meta = json.loads((tmp_path / "draft.json").read_text())
+  (tmp_path / "draft.json").write_text(json.dumps(dict(meta, vocab_size=500)))
+  with pytest.raises(ValueError, match="built for vocab_size=500, the target has 97"):
+    load_draft(tmp_path, target)
+  (tmp_path / "draft.json").write_text(json.dumps(meta))
+  (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
+  with pytest.raises(ValueError, match="corrupt or missing"):
+    load_draft(tmp_path, target)
