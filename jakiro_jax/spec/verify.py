@@ -38,6 +38,33 @@ def accept(tree: Tree, logits: jax.Array, sampling: SamplingConfig, rng: jax.Arr
   `use_residual=False` keeps rejected tokens in p: a known way to get speculative
   sampling wrong, kept only so the statistical tests can show they detect it.
   """
+  rows = jnp.arange(tree.tokens.shape[0])
+  if sampling.greedy:
+    current, bonus = _greedy_walk(tree, logits)
+  else:
+    current, bonus = _sampling_walk(tree, logits, sampling, rng, use_residual)
+  accept_len = tree.depth[rows, current]
+  on_path = tree.ancestor[rows, current]  # [B, N]
+  path = jnp.stack([
+      jnp.where(d <= accept_len, jnp.argmax(on_path & (tree.depth == d), axis=-1), current)
+      for d in range(max_path)], axis=1).astype(jnp.int32)
+  return Acceptance(accept_len=accept_len, path=path, bonus=bonus)
+
+
+def _greedy_walk(tree: Tree, logits: jax.Array):
+  """The walk with one-hot p, without materialising it: a node is accepted iff it and all
+  its ancestors equal the target argmax at their parents; siblings are distinct, so the
+  deepest accepted node is unique."""
+  target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N]
+  at_parent = jnp.take_along_axis(target_next, jnp.maximum(tree.parent, 0), axis=1)
+  matches = (tree.tokens == at_parent) | (tree.parent < 0)
+  path_ok = jnp.all(matches[:, None, :] | ~tree.ancestor, axis=-1)  # [B, N]
+  current = jnp.argmax(jnp.where(path_ok, tree.depth, -1), axis=-1).astype(jnp.int32)
+  return current, jnp.take_along_axis(target_next, current[:, None], axis=1)[:, 0]
+
+
+def _sampling_walk(tree: Tree, logits: jax.Array, sampling: SamplingConfig, rng: jax.Array,
+                   use_residual: bool = True):
   batch, num_nodes = tree.tokens.shape
   probs = target_probs(logits, sampling)  # [B, N, V]
   rows = jnp.arange(batch)
@@ -59,16 +86,8 @@ def accept(tree: Tree, logits: jax.Array, sampling: SamplingConfig, rng: jax.Arr
 
   current, p = jax.lax.fori_loop(1, num_nodes, visit,
                                  (jnp.zeros((batch,), jnp.int32), probs[:, 0]))
-  if sampling.greedy:
-    bonus = jnp.argmax(p, axis=-1).astype(jnp.int32)
-  else:
-    bonus = jax.random.categorical(bonus_rng, jnp.log(p), axis=-1).astype(jnp.int32)
-  accept_len = tree.depth[rows, current]
-  on_path = tree.ancestor[rows, current]  # [B, N]
-  path = jnp.stack([
-      jnp.where(d <= accept_len, jnp.argmax(on_path & (tree.depth == d), axis=-1), current)
-      for d in range(max_path)], axis=1).astype(jnp.int32)
-  return Acceptance(accept_len=accept_len, path=path, bonus=bonus)
+  bonus = jax.random.categorical(bonus_rng, jnp.log(p), axis=-1).astype(jnp.int32)
+  return current, bonus
 
 
 def commit_path(cache: KVCache, path: jax.Array, advance: jax.Array) -> KVCache:
