@@ -13,7 +13,8 @@ Speculative methods (`--method=eagle2 [--draft=DIR|random] [--top_k --depth
 --total_tokens]`) also run our AR loop on the same questions in the same process and report
 tau (mean tokens per verification forward, bonus included), rounds, ar_tokens_per_s,
 speedup (tokens/s ratio) and greedy_mismatches (questions whose tokens differ from AR's at
-T=0).
+T=0), plus draft_forwards_per_round and draft_time_share (drafting vs verification, timed
+as separate jitted parts at the mean context length, see `spec/round_timing.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
-_METHOD = flags.DEFINE_enum("method", "ar", ["ar", "eagle2"], "Generation method.")
+_METHOD = flags.DEFINE_enum("method", "ar", ["ar", "eagle2", "jakiro"], "Generation method.")
 _DRAFT = flags.DEFINE_string(
     "draft", None, "Draft directory, shipped draft name, or 'random' (untrained, still "
     "lossless). Default: the draft shipped for the config's target.")
@@ -164,7 +165,12 @@ def run(config, method: str, questions: list[str], max_new_tokens: int, sampling
             (len(o) / s) / (len(a) / t) for o, s, a, t in
             zip(spec_outputs, spec_seconds, outputs, ar_seconds)),
         greedy_mismatches=(sum(a != b for a, b in zip(spec_outputs, outputs))
-                           if sampling.greedy else None))
+                           if sampling.greedy else None),
+        draft_forwards_per_round=drafter.draft_forwards_per_round())
+    from jakiro_jax.spec.round_timing import round_split
+    context = int(statistics.mean(len(p) for p in prompts)) + max_new_tokens // 2
+    split = round_split(target, drafter, params, context, sampling)
+    report.update(round_context_len=context, **split)
     outputs = spec_outputs
   if compare_hf:
     import time

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import tiny_hf_model
+from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
 from jakiro_jax.models import llama
 from jakiro_jax.models.kv_cache import causal_mask
@@ -80,12 +81,15 @@ def total_variation(p, q):
   return 0.5 * np.abs(p - q).sum()
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0),
-                                      SamplingConfig(temperature=0.7),
-                                      SamplingConfig(temperature=1.0, top_p=0.8)])
-def test_speculative_sampling_matches_target(small_vocab_target, sampling):
+@pytest.mark.parametrize("method,sampling", [
+    ("eagle2", SamplingConfig(temperature=1.0)),
+    ("eagle2", SamplingConfig(temperature=0.7)),
+    ("eagle2", SamplingConfig(temperature=1.0, top_p=0.8)),
+    ("jakiro", SamplingConfig(temperature=1.0)),
+])
+def test_speculative_sampling_matches_target(small_vocab_target, method, sampling):
   target = small_vocab_target
-  drafter = Eagle2Drafter(target.config, TreeConfig(top_k=3, depth=2, total_tokens=8))
+  drafter = make_drafter(method, target.config, TreeConfig(top_k=3, depth=2, total_tokens=8))
   params = drafter.init_params(jax.random.PRNGKey(0))
   exact12, exact3 = exact_distributions(target, sampling)
   assert exact12.max() > 0.05  # the test needs a target with some structure

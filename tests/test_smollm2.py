@@ -64,20 +64,23 @@ def test_bench_cli_rejects_bad_question_file(tmp_path):
   assert proc.returncode != 0 and "is not a FastChat question" in proc.stderr
 
 
-def test_bench_cli_eagle2_random_draft_is_lossless(tmp_path):
+@pytest.mark.parametrize("method", ["eagle2", "jakiro"])
+def test_bench_cli_random_draft_is_lossless(tmp_path, method):
   questions = tmp_path / "q.jsonl"
   questions.write_text(json.dumps({"question_id": 0, "turns": [CHAT_PROMPTS[0]]}) + "\n")
   out = tmp_path / "bench.json"
   subprocess.run(
-      [sys.executable, "-m", "launch.bench", f"--config={CONFIG}", "--method=eagle2",
+      [sys.executable, "-m", "launch.bench", f"--config={CONFIG}", f"--method={method}",
        "--draft=random", "--top_k=2", "--depth=2", "--total_tokens=5",
        f"--questions={questions}", "--max_new_tokens=8", f"--json_out={out}", "--show=0"],
       check=True, capture_output=True, text=True, cwd=REPO)
   report = json.loads(out.read_text())
-  assert report["method"] == "eagle2" and report["greedy_mismatches"] == 0
+  assert report["method"] == method and report["greedy_mismatches"] == 0
   assert report["rounds"] >= 1 and 1.0 <= report["tau"] <= 4.0
   for key in ("ar_tokens_per_s", "speedup", "tokens_per_s"):
     assert report[key] > 0
+  assert report["draft_forwards_per_round"] == {"eagle2": 3, "jakiro": 2}[method]
+  assert 0 < report["draft_time_share"] < 1
 
 
 def test_bench_cli_without_shipped_draft_says_so(tmp_path):

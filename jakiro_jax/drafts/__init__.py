@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
+from jakiro_jax.drafts.jakiro import JakiroDrafter
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.spec.tree import TreeConfig
 
-DRAFTERS = {"eagle2": Eagle2Drafter}
+DRAFTERS = {"eagle2": Eagle2Drafter, "jakiro": JakiroDrafter}
 
 
 def make_drafter(method: str, target_config: LlamaConfig, tree: TreeConfig = TreeConfig(),

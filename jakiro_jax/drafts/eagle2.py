@@ -76,6 +76,14 @@ class Eagle2Drafter:
     embeds = Llama(self.target_config).apply(target_params, tokens, method=Llama.embed)
     return self.module().apply(params, embeds, features, positions, cache, mask)
 
+  def tree_step(self, i, frontier, run_forward, memo, target_params):
+    """Tree step i: one draft forward over the frontier (EAGLE-2)."""
+    hidden = run_forward(i, frontier)
+    return self.log_probs(target_params, hidden), hidden
+
+  def draft_forwards_per_round(self) -> int:
+    return self.tree.depth + 1  # the context forward, then one per tree step
+
   def log_probs(self, target_params, hidden):
     """Draft log-probs through the target's lm_head: `[..., D]` -> `[..., V]`."""
     logits = Llama(self.target_config).apply(target_params, hidden, method=Llama.logits)

@@ -31,6 +31,7 @@ from jakiro_jax.spec.tree import Tree, build_tree, expand_beam
 from jakiro_jax.spec.verify import accept, commit_path
 
 TRACE_COUNT: collections.Counter = collections.Counter()
+FORWARD_TRACES: collections.Counter = collections.Counter()  # draft forwards seen by tracing
 
 
 @flax.struct.dataclass
@@ -53,6 +54,7 @@ def draft_context(drafter, draft_params, target_params, tokens, features, count,
   tokens `[B, T]`, features `[B, T, D]`, count `[B]` valid pairs per row. Returns the draft
   output at each row's last valid pair `[B, D]` and the cache with `lengths += count`.
   """
+  FORWARD_TRACES[drafter.name] += 1
   num_new = tokens.shape[1]
   start = cache.lengths
   positions = start[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None]
@@ -65,24 +67,33 @@ def draft_context(drafter, draft_params, target_params, tokens, features, count,
 
 def draft_tree(drafter, draft_params, target_params, hidden_root, root,
                cache: KVCache) -> tuple[Tree, KVCache]:
-  """EAGLE-2 drafting from the draft output after the root; cache lengths unchanged."""
+  """EAGLE-2 style drafting from the draft output after the root; cache lengths unchanged.
+
+  The drafter's `tree_step(i, frontier, run_forward, memo, target_params)` turns tree step
+  i into (log-probs `[B, K, V]`, hidden `[B, K, D]`); `run_forward(i, frontier, **kw)` runs
+  the draft over the frontier at its slots and positions.
+  """
   tree_cfg = drafter.tree
   k = tree_cfg.top_k
   context = cache.lengths
   scratch = {"cache": cache}
 
-  def step(i, frontier):
+  def run_forward(i, frontier, **kwargs):
     # Level i+1 nodes sit at RoPE position n + i and at draft slots n + i*K + j.
+    FORWARD_TRACES[drafter.name] += 1  # trace time: counts draft forwards in the program
     step_cache = scratch["cache"].replace(lengths=context + i * k)
-    mask = tree_mask(step_cache.lengths - i * k, frontier.ancestor, cache.max_len)
+    mask = tree_mask(context, frontier.ancestor, cache.max_len)
     positions = jnp.broadcast_to((context + i)[:, None], frontier.tokens.shape)
-    hidden, new = drafter.forward(draft_params, target_params, frontier.tokens,
-                                  frontier.hidden, positions, step_cache, mask)
+    out, new = drafter.forward(draft_params, target_params, frontier.tokens, frontier.hidden,
+                               positions, step_cache, mask, **kwargs)
     scratch["cache"] = new.replace(lengths=context)
-    return drafter.log_probs(target_params, hidden), hidden
+    return out
 
+  memo = {}
   logp_root = drafter.log_probs(target_params, hidden_root)
-  candidates = expand_beam(step, logp_root, hidden_root, tree_cfg)
+  candidates = expand_beam(
+      lambda i, frontier: drafter.tree_step(i, frontier, run_forward, memo, target_params),
+      logp_root, hidden_root, tree_cfg)
   tree = build_tree(candidates, root, tree_cfg.total_tokens, tree_cfg.depth + 1)
   return tree, scratch["cache"]
 

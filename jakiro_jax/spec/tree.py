@@ -108,6 +108,7 @@ class Frontier:
   scores: jax.Array  # [B, K]
   hidden: jax.Array  # [B, K, D] draft output of each node's parent
   ancestor: jax.Array  # [B, K, A] draft tree slots each node sees (self included)
+  parent_row: jax.Array  # [B, K] row of each node's parent in the previous frontier
 
 
 def topk_level(logp: jax.Array, k: int):
@@ -135,7 +136,8 @@ def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
       candidate=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
       tokens=tokens, scores=scores,
       hidden=jnp.broadcast_to(hidden_root[:, None], (batch, k, hidden_root.shape[-1])),
-      ancestor=jnp.broadcast_to(jnp.eye(k, slots, dtype=bool), (batch, k, slots)))
+      ancestor=jnp.broadcast_to(jnp.eye(k, slots, dtype=bool), (batch, k, slots)),
+      parent_row=jnp.zeros((batch, k), jnp.int32))
   for i in range(config.depth):
     logp, hidden = step(i, frontier)
     child_scores, child_tokens = topk_level(logp, k)  # [B, K, K]
@@ -155,7 +157,8 @@ def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
           scores=best_scores,
           hidden=jnp.take_along_axis(hidden, row[:, :, None], axis=1),
           ancestor=jnp.take_along_axis(frontier.ancestor, row[:, :, None], axis=1)
-          | new_slot[None])
+          | new_slot[None],
+          parent_row=row.astype(jnp.int32))
   return Candidates(tokens=jnp.concatenate(all_tokens, axis=1),
                     scores=jnp.concatenate(all_scores, axis=1),
                     parent=jnp.concatenate(all_parents, axis=1))

@@ -1,0 +1,67 @@
+"""Where a speculative round's time goes: drafting vs target verification.
+
+The round runs inside one jitted loop, so its parts are timed here as separate jitted
+functions at a representative context length (medians of repeated calls).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jakiro_jax.models.kv_cache import tree_mask
+from jakiro_jax.models.llama import Llama, new_cache
+from jakiro_jax.spec.generate import draft_context, draft_tree
+from jakiro_jax.spec.sampling import SamplingConfig
+from jakiro_jax.spec.verify import accept
+
+
+def _median_ms(fn, *args, repeats: int = 7) -> float:
+  jax.block_until_ready(fn(*args))  # compile
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times) * 1e3)
+
+
+def round_split(target, drafter, draft_params, context_len: int,
+                sampling: SamplingConfig = SamplingConfig()) -> dict:
+  """Median ms of the draft part (context forward + tree) and of the verify part."""
+  tree_cfg = drafter.tree
+  max_len = context_len + max(tree_cfg.total_tokens, drafter.extra_cache_slots()) + 64
+  lengths = jnp.array([context_len], jnp.int32)
+  hidden = jnp.zeros((1, target.config.hidden_size), target.config.dtype)
+  width = tree_cfg.max_path
+
+  def draft_part(draft_params, target_params, cache):
+    tokens = jnp.ones((1, width), jnp.int32)
+    features = jnp.zeros((1, width, target.config.hidden_size), target.config.dtype)
+    count = jnp.array([width], jnp.int32)
+    root_hidden, cache = draft_context(drafter, draft_params, target_params, tokens,
+                                       features, count, cache)
+    tree, _ = draft_tree(drafter, draft_params, target_params, root_hidden, tokens[:, 0],
+                         cache.replace(lengths=lengths))
+    return tree
+
+  draft_cache = drafter.new_cache(1, max_len).replace(lengths=lengths - width)
+  draft_jit = jax.jit(draft_part)
+  tree = draft_jit(draft_params, target.params, draft_cache)
+
+  model = Llama(target.config)
+
+  def verify_part(target_params, tree, cache):
+    mask = tree_mask(cache.lengths, tree.ancestor, cache.max_len)
+    logits, _, _ = model.apply(target_params, tree.tokens, cache.lengths[:, None] + tree.depth,
+                               cache, mask)
+    return accept(tree, logits, sampling, jax.random.PRNGKey(0), tree_cfg.max_path).path
+
+  target_cache = new_cache(target.config, 1, max_len).replace(lengths=lengths)
+  draft_ms = _median_ms(draft_jit, draft_params, target.params, draft_cache)
+  verify_ms = _median_ms(jax.jit(verify_part), target.params, tree, target_cache)
+  return {"draft_ms": draft_ms, "verify_ms": verify_ms,
+          "draft_time_share": draft_ms / (draft_ms + verify_ms)}
