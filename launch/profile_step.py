@@ -1,0 +1,81 @@
+"""Decode-step profile of the target: step time vs the memory-bandwidth bound.
+
+  python -m launch.profile_step --config=configs/smollm2_135m.py
+
+Times one jitted, cache-donating decode step (median of 30) at several cache sizes, with and
+without the lm_head, and a single jitted lm_head-sized matvec as the streaming-read
+reference. The batch-1 step reads every weight once, so weight bytes / step time is the
+effective bandwidth.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
+                                          "Experiment config file.", lock_config=True)
+_SLOTS = flags.DEFINE_list("slots", ["128", "512", "2048"], "Cache sizes to time.")
+
+
+def median_ms(fn, repeats=30):
+  for _ in range(3):
+    fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times) * 1e3)
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+
+  from jakiro_jax.models import llama
+  from jakiro_jax.models.kv_cache import causal_mask
+  from jakiro_jax.target import load_target
+
+  target = load_target(_CONFIG.value.target, dtype=_CONFIG.value.dtype, with_tokenizer=False)
+  model = llama.Llama(target.config)
+  weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(target.params))
+
+  @functools.partial(jax.jit, static_argnames=("logits",), donate_argnames=("cache",))
+  def step(params, token, cache, logits=True):
+    lengths = cache.lengths
+    out, features, cache = model.apply(params, token, lengths[:, None], cache,
+                                       causal_mask(lengths, 1, cache.max_len),
+                                       compute_logits=logits)
+    return (out if logits else features), cache
+
+  token = jnp.ones((1, 1), jnp.int32)
+  print(f"weights: {weight_bytes / 1e6:.0f} MB")
+  for slots in map(int, _SLOTS.value):
+    row = []
+    for logits in (True, False):
+      state = {"cache": llama.new_cache(target.config, 1, slots).replace(
+          lengths=jnp.array([slots // 2]))}
+
+      def run():
+        out, state["cache"] = step(target.params, token, state["cache"], logits=logits)
+        out.block_until_ready()
+      row.append(median_ms(run))
+    print(f"cache {slots:5d} slots: step {row[0]:.2f} ms ({1e3 / row[0]:.1f} tok/s, "
+          f"{weight_bytes / row[0] / 1e6:.1f} GB/s effective); without lm_head {row[1]:.2f} ms")
+  head = jnp.asarray(np.random.randn(target.config.vocab_size, target.config.hidden_size)
+                     .astype(np.float32))
+  x = jnp.ones((1, target.config.hidden_size), jnp.float32)
+  matvec = jax.jit(lambda w, x: x @ w.T)
+  ms = median_ms(lambda: matvec(head, x).block_until_ready(), repeats=50)
+  print(f"reference matvec {head.shape}: {ms:.2f} ms = {head.size * 4 / ms / 1e6:.1f} GB/s; "
+        f"bound for this model: {weight_bytes / (head.size * 4 / ms):.1f} ms/step")
+
+
+if __name__ == "__main__":
+  app.run(main)
