@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jakiro_jax.models.gguf_loader import permute_rope_rows, read_gguf, tokenizer_from_gguf
+from jakiro_jax.models.gguf_loader import permute_rope_rows, read_gguf
 from jakiro_jax.models.embedded import smollm2_gguf_path
 from jakiro_jax.target import load_target
 

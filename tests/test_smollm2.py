@@ -5,7 +5,6 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from jakiro_jax.models.hf_reference import hf_greedy_generate

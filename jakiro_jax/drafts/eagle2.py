@@ -25,6 +25,17 @@ def draft_layer_config(target: LlamaConfig) -> LlamaConfig:
   return target.replace(num_layers=1)
 
 
+def fuse_token_and_feature(module: nn.Module, embeds, features, cfg: LlamaConfig,
+                           fc_bias: bool):
+  """fc over [embedding ; feature] (embedding first): `[B, T, D]` x2 -> `[B, T, D]`."""
+  d = cfg.hidden_size
+  x = jnp.concatenate([embeds, features.astype(embeds.dtype)], axis=-1)
+  x = _matmul_out_in(x, _weight(module, "fc", (d, 2 * d), ("embed", None), cfg.dtype), 1)
+  if fc_bias:
+    x = x + _weight(module, "fc_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
+  return x
+
+
 class Eagle2Draft(nn.Module):
   config: LlamaConfig  # one-layer config
   fc_bias: bool = True
@@ -33,11 +44,7 @@ class Eagle2Draft(nn.Module):
   def __call__(self, embeds, features, positions, cache: KVCache, mask):
     """embeds, features `[B, T, D]` -> (hidden `[B, T, D]`, cache)."""
     cfg = self.config
-    d = cfg.hidden_size
-    x = jnp.concatenate([embeds, features.astype(embeds.dtype)], axis=-1)
-    x = _matmul_out_in(x, _weight(self, "fc", (d, 2 * d), ("embed", None), cfg.dtype), 1)
-    if self.fc_bias:
-      x = x + _weight(self, "fc_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
+    x = fuse_token_and_feature(self, embeds, features, cfg, self.fc_bias)
     return DecoderLayer(cfg, 0, input_norm=False, name="layers_0")(x, positions, cache, mask)
 
 

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from jakiro_jax.drafts import make_drafter
+from jakiro_jax.models.config import read_json
 from jakiro_jax.spec.tree import TreeConfig
 
 SHIPPED_DRAFTS: dict[str, str] = {}  # "<target>-<method>" -> package-relative directory
@@ -64,14 +65,8 @@ def load_draft(source, target, tree: TreeConfig | None = None):
   source = os.fspath(source)
   if source in SHIPPED_DRAFTS:
     source = os.path.join(os.path.dirname(os.path.dirname(__file__)), SHIPPED_DRAFTS[source])
-  meta_path = os.path.join(source, "draft.json")
-  if not os.path.isfile(meta_path):
-    raise FileNotFoundError(f"{source} is not a draft directory (no draft.json)")
-  with open(meta_path) as f:
-    try:
-      meta = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{meta_path} is not valid JSON: {e}") from None
+  meta = read_json(os.path.join(source, "draft.json"),
+                   f"{source} is not a draft directory (no draft.json)")
   for field, ours in (("hidden_size", target.config.hidden_size),
                       ("vocab_size", target.config.vocab_size)):
     if meta.get(field) != ours:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jakiro_jax.drafts.eagle2 import Eagle2Drafter
+from jakiro_jax.drafts.eagle2 import Eagle2Drafter, fuse_token_and_feature
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import MLP, Attention, RMSNorm, _matmul_out_in, _weight
 
@@ -62,13 +62,8 @@ class JakiroDraft(nn.Module):
   @nn.compact
   def __call__(self, embeds, features, positions, cache, mask):
     """embeds, features `[B, T, D]` -> (left `[B, T, D]`, right `[B, T, D]`, cache)."""
-    cfg = self.config
-    d = cfg.hidden_size
-    x = jnp.concatenate([embeds, features.astype(embeds.dtype)], axis=-1)
-    x = _matmul_out_in(x, _weight(self, "fc", (d, 2 * d), ("embed", None), cfg.dtype), 1)
-    if self.fc_bias:
-      x = x + _weight(self, "fc_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
-    return JakiroLayer(cfg, name="layers_0")(x, positions, cache, mask)
+    x = fuse_token_and_feature(self, embeds, features, self.config, self.fc_bias)
+    return JakiroLayer(self.config, name="layers_0")(x, positions, cache, mask)
 
 
 @dataclasses.dataclass(frozen=True)

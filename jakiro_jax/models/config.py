@@ -153,15 +153,20 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> LlamaConfig
   )
 
 
-def load_hf_config(model_dir: str | os.PathLike, dtype: str = "float32") -> LlamaConfig:
-  path = os.path.join(model_dir, "config.json")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+def read_json(path: str | os.PathLike, missing_message: str) -> dict:
+  """A JSON file's contents; FileNotFoundError(missing_message) or ValueError if invalid."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(missing_message)
   with open(path) as f:
     try:
-      hf = json.load(f)
+      return json.load(f)
     except json.JSONDecodeError as e:
       raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_hf_config(model_dir: str | os.PathLike, dtype: str = "float32") -> LlamaConfig:
+  hf = read_json(os.path.join(model_dir, "config.json"),
+                 f"no config.json in model directory {model_dir}")
   return config_from_hf(hf, dtype)
 
 

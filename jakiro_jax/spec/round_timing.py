@@ -35,7 +35,6 @@ def round_split(target, drafter, draft_params, context_len: int,
   tree_cfg = drafter.tree
   max_len = context_len + max(tree_cfg.total_tokens, drafter.extra_cache_slots()) + 64
   lengths = jnp.array([context_len], jnp.int32)
-  hidden = jnp.zeros((1, target.config.hidden_size), target.config.dtype)
   width = tree_cfg.max_path
 
   def draft_part(draft_params, target_params, cache):
