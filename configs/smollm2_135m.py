@@ -14,4 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.system_prompt = ""  # empty: the chat template's own default
   # EAGLE-2 dynamic tree (used by the speculative methods).
   config.tree = ml_collections.ConfigDict(dict(top_k=10, depth=5, total_tokens=60))
+  # Gumiho's own defaults: 1 serial step + 5 MLP levels, Q children per node, P kept per level.
+  config.gumiho = ml_collections.ConfigDict(dict(top_k=14, depth=6, total_tokens=64,
+                                                 mlp_num=5, mlp_topk=35, pruning=35))
   return config

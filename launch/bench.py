@@ -29,7 +29,7 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
-_METHOD = flags.DEFINE_enum("method", "ar", ["ar", "eagle2", "jakiro"], "Generation method.")
+_METHOD = flags.DEFINE_enum("method", "ar", ["ar", "eagle2", "jakiro", "gumiho"], "Generation method.")
 _DRAFT = flags.DEFINE_string(
     "draft", None, "Draft directory, shipped draft name, or 'random' (untrained, still "
     "lossless). Default: the draft shipped for the config's target.")
@@ -72,7 +72,8 @@ def read_questions(path: str, limit: int) -> list[str]:
   return turns
 
 
-def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0):
+def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
+                  options: dict | None = None):
   """(drafter, params) from a directory, a shipped name, 'random' or the shipped default."""
   import jax
 
@@ -80,7 +81,7 @@ def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0):
   from jakiro_jax.drafts.io import SHIPPED_DRAFTS, load_draft
 
   if draft == "random":
-    drafter = make_drafter(method, target.config, tree)
+    drafter = make_drafter(method, target.config, tree, **(options or {}))
     return drafter, drafter.init_params(jax.random.PRNGKey(seed))
   if draft is None:
     name = f"{target.name}-{method}"
@@ -110,7 +111,8 @@ def _timed_runs(prompts, generate_fn, desc):
 
 
 def run(config, method: str, questions: list[str], max_new_tokens: int, sampling, seed: int,
-        compare_hf: bool, show: int = 0, draft: str | None = None, tree=None) -> dict:
+        compare_hf: bool, show: int = 0, draft: str | None = None, tree=None,
+        draft_options: dict | None = None) -> dict:
   from jakiro_jax.spec.autoregressive import generate_ar
   from jakiro_jax.spec.generate import generate
   from jakiro_jax.spec.tree import TreeConfig
@@ -120,7 +122,7 @@ def run(config, method: str, questions: list[str], max_new_tokens: int, sampling
   prompts = [target.chat_prompt(q, config.system_prompt or None) for q in questions]
   if method != "ar":  # resolve the draft first: a missing draft fails before any work
     tree = tree or TreeConfig(**config.tree)
-    drafter, params = resolve_draft(target, method, draft, tree, seed)
+    drafter, params = resolve_draft(target, method, draft, tree, seed, draft_options or {})
   ar_runs = _timed_runs(
       prompts, lambda p, i: generate_ar(target, [p], max_new_tokens, sampling, seed=seed + i),
       "ar")
@@ -209,13 +211,18 @@ def main(argv):
   sampling = SamplingConfig(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
   questions = read_questions(_QUESTIONS.value, _MAX_QUESTIONS.value)
   from jakiro_jax.spec.tree import TreeConfig
-  tree_cfg = dict(_CONFIG.value.tree)
+  options = {}
+  if _METHOD.value == "gumiho":
+    tree_cfg = dict(_CONFIG.value.gumiho)
+    options = {k: tree_cfg.pop(k) for k in ("mlp_num", "mlp_topk", "pruning")}
+  else:
+    tree_cfg = dict(_CONFIG.value.tree)
   for key, flag in (("top_k", _TOP_K_TREE), ("depth", _DEPTH), ("total_tokens", _TOTAL)):
     if flag.value is not None:
       tree_cfg[key] = flag.value
   report = run(_CONFIG.value, _METHOD.value, questions, _MAX_NEW.value, sampling,
                _SEED.value, _COMPARE_HF.value, _SHOW.value, _DRAFT.value,
-               TreeConfig(**tree_cfg))
+               TreeConfig(**tree_cfg), options)
   text = json.dumps(report, indent=2)
   print(text)
   if _JSON_OUT.value:

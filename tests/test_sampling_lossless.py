@@ -86,11 +86,17 @@ def total_variation(p, q):
     ("eagle2", SamplingConfig(temperature=0.7)),
     ("eagle2", SamplingConfig(temperature=1.0, top_p=0.8)),
     ("jakiro", SamplingConfig(temperature=1.0)),
+    ("gumiho", SamplingConfig(temperature=1.0)),
 ])
 def test_speculative_sampling_matches_target(small_vocab_target, method, sampling):
   target = small_vocab_target
-  drafter = make_drafter(method, target.config, TreeConfig(top_k=3, depth=2, total_tokens=8))
+  options = dict(mlp_num=1, mlp_topk=3, pruning=3) if method == "gumiho" else {}
+  drafter = make_drafter(method, target.config, TreeConfig(top_k=3, depth=2, total_tokens=8),
+                         **options)
   params = drafter.init_params(jax.random.PRNGKey(0))
+  # Gumiho's MLP heads start at zero weights; perturb every param so all heads matter.
+  params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape),
+                        params)
   exact12, exact3 = exact_distributions(target, sampling)
   assert exact12.max() > 0.05  # the test needs a target with some structure
   got12, got3 = sampled_distributions(target, drafter, params, sampling)

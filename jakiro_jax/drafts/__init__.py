@@ -7,7 +7,9 @@ from jakiro_jax.drafts.jakiro import JakiroDrafter
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.spec.tree import TreeConfig
 
-DRAFTERS = {"eagle2": Eagle2Drafter, "jakiro": JakiroDrafter}
+from gumiho_jax.draft import GumihoDrafter  # noqa: E402  (builds on the EAGLE-2 drafter)
+
+DRAFTERS = {"eagle2": Eagle2Drafter, "jakiro": JakiroDrafter, "gumiho": GumihoDrafter}
 
 
 def make_drafter(method: str, target_config: LlamaConfig, tree: TreeConfig = TreeConfig(),

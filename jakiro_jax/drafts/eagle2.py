@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import DecoderLayer, Llama, _matmul_out_in, _weight
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.spec.tree import TreeConfig, expand_beam
 
 
 def draft_layer_config(target: LlamaConfig) -> LlamaConfig:
@@ -25,15 +25,20 @@ def draft_layer_config(target: LlamaConfig) -> LlamaConfig:
   return target.replace(num_layers=1)
 
 
-def fuse_token_and_feature(module: nn.Module, embeds, features, cfg: LlamaConfig,
-                           fc_bias: bool):
-  """fc over [embedding ; feature] (embedding first): `[B, T, D]` x2 -> `[B, T, D]`."""
+def fc_params(module: nn.Module, cfg: LlamaConfig, fc_bias: bool):
+  """The input projection's weight `[D, 2D]` and bias `[D]` (or None)."""
   d = cfg.hidden_size
+  weight = _weight(module, "fc", (d, 2 * d), ("embed", None), cfg.dtype)
+  bias = (_weight(module, "fc_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
+          if fc_bias else None)
+  return weight, bias
+
+
+def fuse_token_and_feature(embeds, features, weight, bias):
+  """fc over [embedding ; feature] (embedding first): `[..., D]` x2 -> `[..., D]`."""
   x = jnp.concatenate([embeds, features.astype(embeds.dtype)], axis=-1)
-  x = _matmul_out_in(x, _weight(module, "fc", (d, 2 * d), ("embed", None), cfg.dtype), 1)
-  if fc_bias:
-    x = x + _weight(module, "fc_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
-  return x
+  x = _matmul_out_in(x, weight, 1)
+  return x if bias is None else x + bias
 
 
 class Eagle2Draft(nn.Module):
@@ -44,7 +49,7 @@ class Eagle2Draft(nn.Module):
   def __call__(self, embeds, features, positions, cache: KVCache, mask):
     """embeds, features `[B, T, D]` -> (hidden `[B, T, D]`, cache)."""
     cfg = self.config
-    x = fuse_token_and_feature(self, embeds, features, cfg, self.fc_bias)
+    x = fuse_token_and_feature(embeds, features, *fc_params(self, cfg, self.fc_bias))
     return DecoderLayer(cfg, 0, input_norm=False, name="layers_0")(x, positions, cache, mask)
 
 
@@ -82,6 +87,13 @@ class Eagle2Drafter:
     """tokens `[B, T]`, features `[B, T, D]` -> (hidden `[B, T, D]`, cache)."""
     embeds = Llama(self.target_config).apply(target_params, tokens, method=Llama.embed)
     return self.module().apply(params, embeds, features, positions, cache, mask)
+
+  def expand(self, run_forward, hidden_root, draft_params, target_params):
+    """EAGLE-2 level expansion; each tree step goes through `tree_step`."""
+    memo = {}
+    return expand_beam(
+        lambda i, frontier: self.tree_step(i, frontier, run_forward, memo, target_params),
+        self.log_probs(target_params, hidden_root), hidden_root, self.tree)
 
   def tree_step(self, i, frontier, run_forward, memo, target_params):
     """Tree step i: one draft forward over the frontier (EAGLE-2)."""

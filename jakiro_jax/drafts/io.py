@@ -6,6 +6,7 @@ lm_head are never stored. (The original PyTorch layouts are handled by the expor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -49,7 +50,10 @@ def save_draft(out_dir, drafter, params, dtype: str | None = None) -> None:
   if dtype:
     flat = {k: v.astype(dtype) for k, v in flat.items()}
   save_file(flat, os.path.join(out_dir, "model.safetensors"))
-  meta = {"method": drafter.name, "hidden_size": drafter.target_config.hidden_size,
+  options = {f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)
+             if f.name not in ("target_config", "tree", "name")}
+  meta = {"method": drafter.name, "options": options,
+          "hidden_size": drafter.target_config.hidden_size,
           "vocab_size": drafter.target_config.vocab_size,
           "tree": {"top_k": drafter.tree.top_k, "depth": drafter.tree.depth,
                    "total_tokens": drafter.tree.total_tokens}}
@@ -73,7 +77,7 @@ def load_draft(source, target, tree: TreeConfig | None = None):
       raise ValueError(f"draft {source} was built for {field}={meta.get(field)}, "
                        f"the target has {ours}")
   tree = tree or TreeConfig(**meta.get("tree", {}))
-  drafter = make_drafter(meta["method"], target.config, tree)
+  drafter = make_drafter(meta["method"], target.config, tree, **meta.get("options", {}))
   try:
     flat = load_file(os.path.join(source, "model.safetensors"))
   except (SafetensorError, OSError) as e:

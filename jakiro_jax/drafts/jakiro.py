@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jakiro_jax.drafts.eagle2 import Eagle2Drafter, fuse_token_and_feature
+from jakiro_jax.drafts.eagle2 import Eagle2Drafter, fc_params, fuse_token_and_feature
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import MLP, Attention, RMSNorm, _matmul_out_in, _weight
 
@@ -62,7 +62,7 @@ class JakiroDraft(nn.Module):
   @nn.compact
   def __call__(self, embeds, features, positions, cache, mask):
     """embeds, features `[B, T, D]` -> (left `[B, T, D]`, right `[B, T, D]`, cache)."""
-    x = fuse_token_and_feature(self, embeds, features, self.config, self.fc_bias)
+    x = fuse_token_and_feature(embeds, features, *fc_params(self, self.config, self.fc_bias))
     return JakiroLayer(self.config, name="layers_0")(x, positions, cache, mask)
 
 

@@ -27,7 +27,7 @@ from jakiro_jax.models.llama import Llama, new_cache
 from jakiro_jax.spec.autoregressive import is_stop_token, prefill
 from jakiro_jax.spec.batching import prepare_batch
 from jakiro_jax.spec.sampling import SamplingConfig, sample_token
-from jakiro_jax.spec.tree import Tree, build_tree, expand_beam
+from jakiro_jax.spec.tree import Tree, build_tree
 from jakiro_jax.spec.verify import accept, commit_path
 
 TRACE_COUNT: collections.Counter = collections.Counter()
@@ -69,9 +69,9 @@ def draft_tree(drafter, draft_params, target_params, hidden_root, root,
                cache: KVCache) -> tuple[Tree, KVCache]:
   """EAGLE-2 style drafting from the draft output after the root; cache lengths unchanged.
 
-  The drafter's `tree_step(i, frontier, run_forward, memo, target_params)` turns tree step
-  i into (log-probs `[B, K, V]`, hidden `[B, K, D]`); `run_forward(i, frontier, **kw)` runs
-  the draft over the frontier at its slots and positions.
+  The drafter's `expand(run_forward, hidden_root, draft_params, target_params)` returns the
+  scored candidates; `run_forward(i, frontier, **kw)` runs the draft over a frontier of K
+  nodes at tree step i (RoPE position n + i, draft slots n + i*K ..).
   """
   tree_cfg = drafter.tree
   k = tree_cfg.top_k
@@ -89,11 +89,7 @@ def draft_tree(drafter, draft_params, target_params, hidden_root, root,
     scratch["cache"] = new.replace(lengths=context)
     return out
 
-  memo = {}
-  logp_root = drafter.log_probs(target_params, hidden_root)
-  candidates = expand_beam(
-      lambda i, frontier: drafter.tree_step(i, frontier, run_forward, memo, target_params),
-      logp_root, hidden_root, tree_cfg)
+  candidates = drafter.expand(run_forward, hidden_root, draft_params, target_params)
   tree = build_tree(candidates, root, tree_cfg.total_tokens, tree_cfg.depth + 1)
   return tree, scratch["cache"]
 

@@ -1,0 +1,121 @@
+"""Gumiho: parameter layout, tree construction, reference quirks, losslessness."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_prompts, tiny_hf_model
+from gumiho_jax.draft import GumihoDrafter
+from jakiro_jax.drafts.io import load_draft, save_draft
+from jakiro_jax.spec.autoregressive import generate_ar
+from jakiro_jax.spec.generate import draft_tree, generate
+from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.target import target_from_torch
+
+TREE = TreeConfig(top_k=4, depth=4, total_tokens=16)
+OPTIONS = dict(mlp_num=2, mlp_topk=3, pruning=5)
+
+
+@pytest.fixture(scope="module")
+def target():
+  return dataclasses.replace(target_from_torch(tiny_hf_model(seed=11)), stop_ids=())
+
+
+def random_mlp_params(params, seed=0):
+  """The original zero-initialises MLP-head weights; redraw them so the heads matter."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree_util.tree_unflatten(treedef, [
+      jax.random.normal(key, v.shape) * 0.05 if "heads_" in jax.tree_util.keystr(path) else v
+      for key, (path, v) in zip(keys, leaves)])
+
+
+def test_params_map_one_to_one_onto_the_reference_table(target):
+  cfg = target.config
+  h, i, hd, nh, nkv = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads,
+                       cfg.num_kv_heads)
+  drafter = GumihoDrafter(target.config, TreeConfig(top_k=4, depth=6, total_tokens=20))
+  params = drafter.init_params(jax.random.PRNGKey(0))
+  shapes = {jax.tree_util.keystr(p, simple=True, separator="/"): v.shape
+            for p, v in jax.tree_util.tree_leaves_with_path(params)}
+  g = nh // nkv
+  expected = {"params/fc": (h, 2 * h), "params/fc_bias": (h,)}  # fc.weight / fc.bias
+  for layer in (0, 1):  # layers.{l}.*; q/k/v and gate/up fused in our layout
+    p = f"params/layers_{layer}/"
+    expected.update({p + "attn/qkv": (nkv, g + 2, hd, h), p + "attn/o": (h, nkv, g, hd),
+                     p + "mlp/gate_up": (2, i, h), p + "mlp/down": (h, i),
+                     p + "post_attention_norm/scale": (h,)})
+  expected["params/layers_1/input_norm/scale"] = (h,)  # absent for layer 0
+  for head in range(5):  # mlp.{i}.{j}.linear.weight / .bias
+    for block in range(6):
+      p = f"params/heads_{head}/block_{block}"
+      expected[p] = (h, 2 * h if block == 0 else h)
+      expected[p + "_bias"] = (h,)
+  assert shapes == expected
+  heads = [v for k, v in jax.tree_util.tree_leaves_with_path(params)
+           if "heads_" in jax.tree_util.keystr(k) and not jax.tree_util.keystr(k).endswith(
+               "_bias']")]
+  assert all(not np.any(np.asarray(w)) for w in heads)  # zero-initialised weights
+
+
+@pytest.mark.parametrize("parity", [False, True])
+def test_tree_structure(target, parity):
+  drafter = GumihoDrafter(target.config, TreeConfig(top_k=4, depth=4, total_tokens=23),
+                          reference_parity=parity, **OPTIONS)  # keeps the whole pool
+  params = random_mlp_params(drafter.init_params(jax.random.PRNGKey(1)))
+  cache = drafter.new_cache(2, 64).replace(lengths=jnp.array([5, 9]))
+  hidden = jax.random.normal(jax.random.PRNGKey(2), (2, target.config.hidden_size))
+  tree, _ = draft_tree(drafter, params, target.params, hidden, jnp.array([1, 2]), cache)
+  depth, parent = np.asarray(tree.depth), np.asarray(tree.parent)
+  for b in range(2):
+    # Pool = K per serial level (1, 2, 3) + P per MLP level, all kept here.
+    np.testing.assert_array_equal(np.bincount(depth[b]), [1, 4, 4, 4, 5, 5])
+    assert all(0 <= parent[b, i] < i and depth[b, i] == depth[b, parent[b, i]] + 1
+               for i in range(1, 23))
+
+
+def test_reference_quirks_change_only_what_they_should(target):
+  drafter = GumihoDrafter(target.config, TreeConfig(top_k=4, depth=4, total_tokens=23),
+                          **OPTIONS)
+  params = random_mlp_params(drafter.init_params(jax.random.PRNGKey(3)))
+  cache = drafter.new_cache(1, 64).replace(lengths=jnp.array([7]))
+  hidden = jax.random.normal(jax.random.PRNGKey(4), (1, target.config.hidden_size))
+  fixed, _ = draft_tree(drafter, params, target.params, hidden, jnp.array([1]), cache)
+  quirky, _ = draft_tree(dataclasses.replace(drafter, reference_parity=True), params,
+                         target.params, hidden, jnp.array([1]), cache)
+  level1 = np.asarray(fixed.depth[0]) == 1
+  np.testing.assert_array_equal(np.asarray(fixed.tokens[0])[level1],
+                                np.asarray(quirky.tokens[0])[level1])
+  assert not np.array_equal(np.asarray(fixed.score[0]), np.asarray(quirky.score[0]))
+
+
+@pytest.mark.parametrize("parity", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_is_lossless_with_random_gumiho(target, parity, batch):
+  drafter = GumihoDrafter(target.config, TREE, reference_parity=parity, **OPTIONS)
+  params = random_mlp_params(drafter.init_params(jax.random.PRNGKey(batch)), seed=batch)
+  prompts = random_prompts(np.random.RandomState(batch), 97, [9, 3, 21][:batch])
+  spec = generate(target, drafter, params, prompts, max_new_tokens=20)
+  assert spec.tokens == generate_ar(target, prompts, max_new_tokens=20).tokens
+
+
+def test_save_and_load_keeps_the_options(tmp_path, target):
+  drafter = GumihoDrafter(target.config, TREE, reference_parity=True, **OPTIONS)
+  params = drafter.init_params(jax.random.PRNGKey(0))
+  save_draft(tmp_path, drafter, params)
+  loaded, loaded_params = load_draft(tmp_path, target)
+  assert loaded == drafter
+  jax.tree.map(np.testing.assert_array_equal, loaded_params, params)
+
+
+def test_bad_configs(target):
+  with pytest.raises(ValueError, match="needs depth > mlp_num"):
+    GumihoDrafter(target.config, TreeConfig(top_k=4, depth=5, total_tokens=10))
+  with pytest.raises(ValueError, match=r"pruning=50 must be in \[1, top_k \* mlp_topk = 12\]"):
+    GumihoDrafter(target.config, TREE, mlp_num=2, mlp_topk=3, pruning=50)
+  with pytest.raises(ValueError, match="needs 29 drafted nodes but the Gumiho pool holds 22"):
+    GumihoDrafter(target.config, TreeConfig(top_k=4, depth=4, total_tokens=30), mlp_num=2,
+                  mlp_topk=3, pruning=5)
