@@ -29,7 +29,7 @@ from jakiro_jax.drafts.eagle2 import Eagle2Drafter, fc_params, fuse_token_and_fe
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import DecoderLayer, Llama, _matmul_out_in, _weight
-from jakiro_jax.spec.tree import Candidates, Frontier, topk_level
+from jakiro_jax.spec.tree import Candidates, Frontier, level_one, topk_level
 
 MLP_BLOCKS = 6
 
@@ -144,14 +144,8 @@ class GumihoDrafter(Eagle2Drafter):
   def expand(self, run_forward, hidden_root, draft_params, target_params):
     k, batch = self.tree.top_k, hidden_root.shape[0]
     slots = self.serial_steps * k
-    scores, tokens = topk_level(self.log_probs(target_params, hidden_root), k)
-    frontier = Frontier(
-        candidate=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
-        tokens=tokens, scores=scores,
-        hidden=jnp.broadcast_to(hidden_root[:, None], (batch, k, hidden_root.shape[-1])),
-        ancestor=jnp.broadcast_to(jnp.eye(k, slots, dtype=bool), (batch, k, slots)),
-        parent_row=jnp.zeros((batch, k), jnp.int32))
-    pool_tokens, pool_scores = [tokens], [scores]
+    frontier = level_one(self.log_probs(target_params, hidden_root), hidden_root, k, slots)
+    pool_tokens, pool_scores = [frontier.tokens], [frontier.scores]
     pool_parent = [jnp.full((batch, k), -1, jnp.int32)]
     previous = frontier
     for i in range(self.serial_steps):

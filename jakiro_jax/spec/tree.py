@@ -117,6 +117,18 @@ def topk_level(logp: jax.Array, k: int):
   return scores, tokens.astype(jnp.int32)
 
 
+def level_one(logp_root: jax.Array, hidden_root: jax.Array, k: int, slots: int) -> Frontier:
+  """The K best children of the root (candidates 0..K-1) as the first frontier."""
+  batch = logp_root.shape[0]
+  scores, tokens = topk_level(logp_root, k)
+  return Frontier(
+      candidate=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
+      tokens=tokens, scores=scores,
+      hidden=jnp.broadcast_to(hidden_root[:, None], (batch, k, hidden_root.shape[-1])),
+      ancestor=jnp.broadcast_to(jnp.eye(k, slots, dtype=bool), (batch, k, slots)),
+      parent_row=jnp.zeros((batch, k), jnp.int32))
+
+
 def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
                 config: TreeConfig) -> Candidates:
   """EAGLE-2 level expansion.
@@ -129,15 +141,9 @@ def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
   k = config.top_k
   batch = logp_root.shape[0]
   slots = config.depth * k
-  scores, tokens = topk_level(logp_root, k)
-  all_tokens, all_scores = [tokens], [scores]
+  frontier = level_one(logp_root, hidden_root, k, slots)
+  all_tokens, all_scores = [frontier.tokens], [frontier.scores]
   all_parents = [jnp.full((batch, k), -1, jnp.int32)]
-  frontier = Frontier(
-      candidate=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
-      tokens=tokens, scores=scores,
-      hidden=jnp.broadcast_to(hidden_root[:, None], (batch, k, hidden_root.shape[-1])),
-      ancestor=jnp.broadcast_to(jnp.eye(k, slots, dtype=bool), (batch, k, slots)),
-      parent_row=jnp.zeros((batch, k), jnp.int32))
   for i in range(config.depth):
     logp, hidden = step(i, frontier)
     child_scores, child_tokens = topk_level(logp, k)  # [B, K, K]
