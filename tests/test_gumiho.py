@@ -119,3 +119,39 @@ def test_bad_configs(target):
   with pytest.raises(ValueError, match="needs 29 drafted nodes but the Gumiho pool holds 22"):
     GumihoDrafter(target.config, TreeConfig(top_k=4, depth=4, total_tokens=30), mlp_num=2,
                   mlp_topk=3, pruning=5)
+
+
+def test_loss_matches_a_hand_computed_example():
+  from gumiho_jax.losses import gumiho_loss
+
+  rng = np.random.RandomState(0)
+  serial, target = rng.randn(1, 5, 2), rng.randn(1, 5, 2)
+  heads = rng.randn(2, 1, 5, 2)
+  mask = np.array([[0.0, 1.0, 1.0, 1.0, 0.0]])
+
+  def huber(d):
+    d = np.abs(d)
+    return np.where(d < 1, 0.5 * d * d, d - 0.5)
+
+  def terms(pred, tgt, m):  # loops over positions, head = identity (features are logits)
+    v = p = 0.0
+    for t in range(len(m)):
+      soft = np.exp(tgt[t]) / np.exp(tgt[t]).sum()
+      log_q = pred[t] - np.log(np.exp(pred[t]).sum())
+      v += m[t] * huber(pred[t] - tgt[t]).mean()
+      p += m[t] * -(soft * log_q).sum()
+    return v / (m.sum() + 1e-5), p / (m.sum() + 1e-5)
+
+  v, p = terms(serial[0], target[0], mask[0])
+  expected = 1.0 * v + 0.1 * p
+  for i in range(2):  # head i at t vs target[t + 2 + i], mask[t + 2 + i]
+    s = 2 + i
+    v_i, p_i = terms(heads[i, 0, :-s], target[0, s:], mask[0, s:])
+    expected += (1.0 * 0.8 ** (i + 1) * v_i + 0.1 * 0.8 ** (i + 1) * p_i) / 9.0
+  loss, _ = gumiho_loss(jnp.asarray(serial), jnp.asarray(heads), jnp.asarray(target),
+                        jnp.asarray(mask), lambda x: x)
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  # First epochs: no CE on the MLP heads.
+  loss0, _ = gumiho_loss(jnp.asarray(serial), jnp.asarray(heads), jnp.asarray(target),
+                         jnp.asarray(mask), lambda x: x, mlp_p_weight=0.0)
+  assert float(loss0) < float(loss)

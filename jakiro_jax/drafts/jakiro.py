@@ -20,11 +20,11 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter, fc_params, fuse_token_and_feature
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import MLP, Attention, RMSNorm, _matmul_out_in, _weight
+from jakiro_jax.train.losses import feature_losses
 
 
 def moe_outputs(gate_logits, expert0, expert1):
@@ -108,16 +108,6 @@ class JakiroDrafter(Eagle2Drafter):
     return self.tree.depth
 
 
-def smooth_l1(x, y):
-  """Elementwise SmoothL1 with beta 1."""
-  return optax.huber_loss(x, y, delta=1.0)
-
-
-def masked_mean_over_positions(values, mask):
-  """values `[B, T]`, mask `[B, T]` -> sum(mask * values) / (sum(mask) + 1e-5)."""
-  return jnp.sum(values * mask) / (jnp.sum(mask) + 1e-5)
-
-
 def jakiro_loss(left, right, target_features, loss_mask, head_fn, v_weight=1.0, p_weight=0.1,
                 contrast_weight=0.5):
   """The Jakiro training loss.
@@ -129,17 +119,9 @@ def jakiro_loss(left, right, target_features, loss_mask, head_fn, v_weight=1.0, 
   compare R_t with f_{t+2} (one position later) under mask[:, 1:].
   Returns (loss, dict of the four terms).
   """
-  mask = loss_mask.astype(jnp.float32)
-  target_p = jax.nn.softmax(jax.lax.stop_gradient(head_fn(target_features)), axis=-1)
-  logq_left = jax.nn.log_softmax(head_fn(left), axis=-1)
-  logq_right = jax.nn.log_softmax(head_fn(right), axis=-1)
-  ploss1 = masked_mean_over_positions(-jnp.sum(target_p * logq_left, -1), mask)
-  vloss1 = masked_mean_over_positions(smooth_l1(left, target_features).mean(-1), mask)
-  shifted = mask[:, 1:]
-  ploss2 = masked_mean_over_positions(
-      -jnp.sum(target_p[:, 1:] * logq_right[:, :-1], -1), shifted)
-  vloss2 = masked_mean_over_positions(
-      smooth_l1(right[:, :-1], target_features[:, 1:]).mean(-1), shifted)
+  vloss1, ploss1 = feature_losses(left, target_features, loss_mask, head_fn)
+  vloss2, ploss2 = feature_losses(right[:, :-1], target_features[:, 1:], loss_mask[:, 1:],
+                                  head_fn)
   loss = (v_weight * (vloss1 + contrast_weight * vloss2)
           + p_weight * (ploss1 + contrast_weight * ploss2))
   return loss, {"vloss1": vloss1, "vloss2": vloss2, "ploss1": ploss1, "ploss2": ploss2}
