@@ -29,6 +29,7 @@ from jakiro_jax.drafts.eagle2 import Eagle2Drafter, fc_params, fuse_token_and_fe
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import DecoderLayer, Llama, _matmul_out_in, _weight
+from gumiho_jax.fta import accept_rows_greedy, full_tree_attention
 from jakiro_jax.spec.tree import Candidates, Frontier, level_one, topk_level
 
 MLP_BLOCKS = 6
@@ -92,6 +93,9 @@ class GumihoDrafter(Eagle2Drafter):
   pruning: int = 35
   num_layers: int = 2
   reference_parity: bool = False
+  # Full Tree Attention (gumiho_jax/fta.py). NOT target-preserving: it can change greedy
+  # output; the bench reports the mismatches it causes. Greedy decoding only.
+  fta: bool = False
   name: str = "gumiho"
 
   def __post_init__(self):
@@ -137,6 +141,20 @@ class GumihoDrafter(Eagle2Drafter):
 
   def draft_forwards_per_round(self) -> int:
     return 1 + self.serial_steps  # the MLP call is not a Transformer forward
+
+  def verification_plan(self, tree):
+    if not self.fta:
+      return super().verification_plan(tree)
+    rows, is_leaf, visible = full_tree_attention(tree, self.tree.max_path)
+    return visible, (rows, is_leaf)
+
+  def accept(self, tree, plan, logits, sampling, rng):
+    if not self.fta:
+      return super().accept(tree, plan, logits, sampling, rng)
+    if not sampling.greedy:
+      raise ValueError("fta=True is implemented for greedy decoding only (the original "
+                       "code's FTA at temperature > 0 indexes its rows wrongly)")
+    return accept_rows_greedy(tree, *plan, logits, self.tree.max_path)
 
   def _embed(self, target_params, tokens):
     return Llama(self.target_config).apply(target_params, tokens, method=Llama.embed)

@@ -9,8 +9,8 @@ batch 1. Compilation happens in an untimed warm-up over the same shapes, so toke
 steady-state rate. With --compare_hf the same weights run in a plain transformers model
 (`generate`, greedy, same machine) and the greedy outputs are compared token by token.
 
-Speculative methods (`--method=eagle2 [--draft=DIR|random] [--top_k --depth
---total_tokens]`) also run our AR loop on the same questions in the same process and report
+Speculative methods (`--method=eagle2|jakiro|gumiho [--draft=DIR|random] [--top_k --depth
+--total_tokens] [--fta]`) also run our AR loop on the same questions in the same process and report
 tau (mean tokens per verification forward, bonus included), rounds, ar_tokens_per_s,
 speedup (tokens/s ratio) and greedy_mismatches (questions whose tokens differ from AR's at
 T=0), plus draft_forwards_per_round and draft_time_share (drafting vs verification, timed
@@ -19,6 +19,7 @@ as separate jitted parts at the mean context length, see `spec/round_timing.py`)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -36,6 +37,9 @@ _DRAFT = flags.DEFINE_string(
 _TOP_K_TREE = flags.DEFINE_integer("top_k", None, "Tree: children per node (config).")
 _DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the context (config).")
 _TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round (config).")
+_FTA = flags.DEFINE_bool(
+    "fta", False, "Gumiho: Full Tree Attention. Not target-preserving (greedy output can "
+    "differ from the target's); greedy_mismatches in the report shows by how much.")
 _QUESTIONS = flags.DEFINE_string("questions", None, "FastChat-format .jsonl questions.")
 _MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 10, "Questions to use (first N).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per question.")
@@ -91,6 +95,8 @@ def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
                        f"slow) draft")
     draft = name
   drafter, params = load_draft(draft, target, tree)
+  if options and "fta" in options:
+    drafter = dataclasses.replace(drafter, fta=options["fta"])
   if drafter.name != method:
     raise ValueError(f"draft {draft} is a {drafter.name} draft, not {method}")
   return drafter, params
@@ -155,7 +161,8 @@ def run(config, method: str, questions: list[str], max_new_tokens: int, sampling
     new_tokens = sum(len(o) for o in spec_outputs)
     accepts = [a for r in spec_runs for a in r.accept_lens[0]]
     report.update(
-        draft=draft or "shipped", top_k_tree=tree.top_k, depth=tree.depth,
+        draft=draft or "shipped", fta=bool(getattr(drafter, "fta", False)),
+        top_k_tree=tree.top_k, depth=tree.depth,
         total_tokens=tree.total_tokens,
         new_tokens=new_tokens, seconds=sum(spec_seconds),
         tokens_per_s=new_tokens / sum(spec_seconds),
@@ -215,6 +222,9 @@ def main(argv):
   if _METHOD.value == "gumiho":
     tree_cfg = dict(_CONFIG.value.gumiho)
     options = {k: tree_cfg.pop(k) for k in ("mlp_num", "mlp_topk", "pruning")}
+    options["fta"] = _FTA.value
+  elif _FTA.value:
+    raise app.UsageError("--fta applies to --method=gumiho only")
   else:
     tree_cfg = dict(_CONFIG.value.tree)
   for key, flag in (("top_k", _TOP_K_TREE), ("depth", _DEPTH), ("total_tokens", _TOTAL)):

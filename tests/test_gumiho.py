@@ -155,3 +155,58 @@ def test_loss_matches_a_hand_computed_example():
   loss0, _ = gumiho_loss(jnp.asarray(serial), jnp.asarray(heads), jnp.asarray(target),
                          jnp.asarray(mask), lambda x: x, mlp_p_weight=0.0)
   assert float(loss0) < float(loss)
+
+
+def spec_example_tree():
+  """The worked example of the spec: leaf rows [0,3], [0,1,5], [0,1,4,7], [0,2,6,8], [0,1,4,9]."""
+  from jakiro_jax.spec.tree import Tree, ancestors_from_parents
+
+  parent = jnp.array([[-1, 0, 0, 0, 1, 1, 2, 4, 6, 4]], jnp.int32)
+  ancestor = ancestors_from_parents(parent, 4)
+  return Tree(tokens=jnp.arange(10, dtype=jnp.int32)[None] + 20, parent=parent,
+              depth=ancestor.sum(-1).astype(jnp.int32) - 1, ancestor=ancestor,
+              score=jnp.zeros((1, 10)))
+
+
+def test_fta_reproduces_the_worked_example():
+  from gumiho_jax.fta import full_tree_attention, leaf_rows
+
+  tree = spec_example_tree()
+  rows, is_leaf = leaf_rows(tree, 5)
+  assert np.asarray(is_leaf[0]).nonzero()[0].tolist() == [3, 5, 7, 8, 9]
+  completed, _, visible = full_tree_attention(tree, 5)
+  got = {int(leaf): np.asarray(completed[0, leaf, :4]).tolist() for leaf in (3, 5, 7, 8, 9)}
+  assert got == {3: [0, 3, 4, 7], 5: [0, 1, 5, 7], 7: [0, 1, 4, 7], 8: [0, 2, 6, 8],
+                 9: [0, 1, 4, 9]}
+  assert (np.asarray(completed[0, :, 4]) == -1).all()  # no node at depth 4: column unused
+  added = np.asarray(visible[0] & ~tree.ancestor[0])
+  assert sorted(zip(*added.nonzero())) == [(3, 4), (3, 7), (5, 7)]
+
+
+def test_fta_acceptance_follows_the_completed_rows():
+  from gumiho_jax.fta import accept_rows_greedy, full_tree_attention
+
+  tree = spec_example_tree()
+  rows, is_leaf, _ = full_tree_attention(tree, 5)
+  tokens = np.asarray(tree.tokens[0])
+  # Target argmax: root -> tok(3), node 3 -> tok(4) (the appended node), node 4 -> tok(7).
+  nxt = np.zeros(10, int)
+  nxt[0], nxt[3], nxt[4] = tokens[3], tokens[4], tokens[7]
+  nxt[7] = 5
+  logits = jax.nn.one_hot(jnp.asarray(nxt)[None], 40) * 5.0
+  result = accept_rows_greedy(tree, rows, is_leaf, logits, 5)
+  assert int(result.accept_len[0]) == 3
+  np.testing.assert_array_equal(result.path[0], [0, 3, 4, 7, 7])
+  assert int(result.bonus[0]) == 5
+
+
+def test_fta_runs_in_the_loop_and_sampling_is_refused(target):
+  from jakiro_jax.spec.sampling import SamplingConfig
+
+  drafter = GumihoDrafter(target.config, TREE, fta=True, **OPTIONS)
+  params = random_mlp_params(drafter.init_params(jax.random.PRNGKey(5)))
+  prompts = random_prompts(np.random.RandomState(5), 97, [9, 14])
+  out = generate(target, drafter, params, prompts, max_new_tokens=20)
+  assert all(len(t) == 20 for t in out.tokens) and out.rounds >= 1
+  with pytest.raises(ValueError, match="greedy decoding only"):
+    generate(target, drafter, params, prompts, 8, SamplingConfig(temperature=1.0))

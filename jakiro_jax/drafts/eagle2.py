@@ -18,6 +18,7 @@ from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import DecoderLayer, Llama, _matmul_out_in, _weight
 from jakiro_jax.spec.tree import TreeConfig, expand_beam
+from jakiro_jax.spec.verify import accept
 
 
 def draft_layer_config(target: LlamaConfig) -> LlamaConfig:
@@ -102,6 +103,13 @@ class Eagle2Drafter:
 
   def draft_forwards_per_round(self) -> int:
     return self.tree.depth + 1  # the context forward, then one per tree step
+
+  def verification_plan(self, tree):
+    """(visible `[B, N, N]` for the verification mask, data for `accept`)."""
+    return tree.ancestor, None
+
+  def accept(self, tree, plan, logits, sampling, rng):
+    return accept(tree, logits, sampling, rng, self.tree.max_path)
 
   def log_probs(self, target_params, hidden):
     """Draft log-probs through the target's lm_head: `[..., D]` -> `[..., V]`."""

@@ -28,7 +28,7 @@ from jakiro_jax.spec.autoregressive import is_stop_token, prefill
 from jakiro_jax.spec.batching import prepare_batch
 from jakiro_jax.spec.sampling import SamplingConfig, sample_token
 from jakiro_jax.spec.tree import Tree, build_tree
-from jakiro_jax.spec.verify import accept, commit_path
+from jakiro_jax.spec.verify import commit_path
 
 TRACE_COUNT: collections.Counter = collections.Counter()
 FORWARD_TRACES: collections.Counter = collections.Counter()  # draft forwards seen by tracing
@@ -139,10 +139,12 @@ def speculative_generate_jit(target_params, draft_params, prompt, prompt_lengths
     tree, draft_cache = draft_tree(drafter, draft_params, target_params, s.draft_hidden,
                                    s.root, s.draft_cache)
     cache = s.target_cache
-    mask = tree_mask(cache.lengths, tree.ancestor, cache.max_len)
+    visible, plan = drafter.verification_plan(tree)
+    mask = tree_mask(cache.lengths, visible, cache.max_len)
     logits, features, cache = model.apply(
         target_params, tree.tokens, cache.lengths[:, None] + tree.depth, cache, mask)
-    result = accept(tree, logits, sampling, jax.random.fold_in(rng, s.rounds + 1), max_path)
+    result = drafter.accept(tree, plan, logits, sampling,
+                            jax.random.fold_in(rng, s.rounds + 1))
     active = ~s.done
     advance = jnp.where(active, result.accept_len + 1, 0)
     cache = commit_path(cache, result.path, advance)
