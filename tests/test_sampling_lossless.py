@@ -21,7 +21,7 @@ from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
 from jakiro_jax.models import llama
 from jakiro_jax.models.kv_cache import causal_mask
-from jakiro_jax.spec import generate as spec_generate
+from jakiro_jax.drafts import eagle2
 from jakiro_jax.spec import verify
 from jakiro_jax.spec.generate import generate
 from jakiro_jax.spec.sampling import SamplingConfig, target_probs
@@ -109,7 +109,7 @@ def test_broken_verifier_is_detected(small_vocab_target, monkeypatch):
   sampling = SamplingConfig(temperature=1.0)
   drafter = Eagle2Drafter(target.config, TreeConfig(top_k=3, depth=2, total_tokens=8))
   params = drafter.init_params(jax.random.PRNGKey(0))
-  monkeypatch.setattr(spec_generate, "accept",
+  monkeypatch.setattr(eagle2, "accept",
                       functools.partial(verify.accept, use_residual=False))
   jax.clear_caches()  # the loop was compiled with the correct verifier
   try:
