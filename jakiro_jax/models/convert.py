@@ -20,28 +20,86 @@ _HF_LAYER = "model.layers.{i}."
 
 def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
   """Every key a HF checkpoint of this architecture holds, with its shape."""
-  d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-  q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+  d, f = cfg.hidden_size, cfg.intermediate_size
   shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
   if not cfg.tie_word_embeddings:
     shapes["lm_head.weight"] = (cfg.vocab_size, d)
   for i in range(cfg.num_layers):
     p = _HF_LAYER.format(i=i)
-    shapes.update({
-        p + "self_attn.q_proj.weight": (q, d),
-        p + "self_attn.k_proj.weight": (kv, d),
-        p + "self_attn.v_proj.weight": (kv, d),
-        p + "self_attn.o_proj.weight": (d, q),
-        p + "mlp.gate_proj.weight": (f, d),
-        p + "mlp.up_proj.weight": (f, d),
-        p + "mlp.down_proj.weight": (d, f),
-        p + "input_layernorm.weight": (d,),
-        p + "post_attention_layernorm.weight": (d,),
-    })
-    if cfg.attention_bias:
-      shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                     p + "self_attn.v_proj.bias": (kv,)})
+    shapes.update(attention_hf_shapes(cfg, p + "self_attn."))
+    shapes.update(mlp_hf_shapes(d, f, p + "mlp."))
+    shapes.update({p + "input_layernorm.weight": (d,),
+                   p + "post_attention_layernorm.weight": (d,)})
   return shapes
+
+
+# Per-block helpers, shared with the draft exporters (jakiro_jax/export): a draft's decoder
+# layer uses the same q/k/v/o and gate/up/down names under another prefix.
+
+
+def attention_hf_shapes(cfg: LlamaConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+  """Shapes of one attention block's HF keys (`prefix` ends with "self_attn.")."""
+  d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  shapes = {prefix + "q_proj.weight": (q, d), prefix + "k_proj.weight": (kv, d),
+            prefix + "v_proj.weight": (kv, d), prefix + "o_proj.weight": (d, q)}
+  if cfg.attention_bias:
+    shapes.update({prefix + "q_proj.bias": (q,), prefix + "k_proj.bias": (kv,),
+                   prefix + "v_proj.bias": (kv,)})
+  return shapes
+
+
+def mlp_hf_shapes(hidden: int, intermediate: int, prefix: str) -> dict[str, tuple[int, ...]]:
+  """Shapes of one SwiGLU block's HF keys (`prefix` ends with "mlp.")."""
+  return {prefix + "gate_proj.weight": (intermediate, hidden),
+          prefix + "up_proj.weight": (intermediate, hidden),
+          prefix + "down_proj.weight": (hidden, intermediate)}
+
+
+def attention_from_hf(cfg: LlamaConfig, get, prefix: str) -> dict:
+  """HF q/k/v/o (read with `get(name)`) -> our `{"qkv" [K, G+2, H, D], "o" [D, K, G, H]}`."""
+  kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
+  qkv = np.concatenate([
+      get(prefix + "q_proj.weight").reshape(kv, g, hd, d),
+      get(prefix + "k_proj.weight").reshape(kv, 1, hd, d),
+      get(prefix + "v_proj.weight").reshape(kv, 1, hd, d)], axis=1)
+  attn = {"qkv": qkv, "o": get(prefix + "o_proj.weight").reshape(d, kv, g, hd)}
+  if cfg.attention_bias:
+    attn["qkv_bias"] = np.concatenate([
+        get(prefix + "q_proj.bias").reshape(kv, g, hd),
+        get(prefix + "k_proj.bias").reshape(kv, 1, hd),
+        get(prefix + "v_proj.bias").reshape(kv, 1, hd)], axis=1)
+  return attn
+
+
+def attention_to_hf(cfg: LlamaConfig, attn: Mapping, prefix: str) -> dict[str, np.ndarray]:
+  """The inverse of `attention_from_hf`."""
+  g, hd, d = cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
+  q, kvd = cfg.num_heads * hd, cfg.num_kv_heads * hd
+  qkv = np.asarray(attn["qkv"])
+  state = {prefix + "q_proj.weight": qkv[:, :g].reshape(q, d),
+           prefix + "k_proj.weight": qkv[:, g].reshape(kvd, d),
+           prefix + "v_proj.weight": qkv[:, g + 1].reshape(kvd, d),
+           prefix + "o_proj.weight": np.asarray(attn["o"]).reshape(d, q)}
+  if cfg.attention_bias:
+    bias = np.asarray(attn["qkv_bias"])
+    state[prefix + "q_proj.bias"] = bias[:, :g].reshape(q)
+    state[prefix + "k_proj.bias"] = bias[:, g].reshape(kvd)
+    state[prefix + "v_proj.bias"] = bias[:, g + 1].reshape(kvd)
+  return state
+
+
+def mlp_from_hf(get, prefix: str) -> dict:
+  """HF gate/up/down -> our `{"gate_up" [2, F, D], "down" [D, F]}`."""
+  return {"gate_up": np.stack([get(prefix + "gate_proj.weight"),
+                               get(prefix + "up_proj.weight")]),
+          "down": get(prefix + "down_proj.weight")}
+
+
+def mlp_to_hf(mlp: Mapping, prefix: str) -> dict[str, np.ndarray]:
+  """The inverse of `mlp_from_hf`."""
+  gate_up = np.asarray(mlp["gate_up"])
+  return {prefix + "gate_proj.weight": gate_up[0], prefix + "up_proj.weight": gate_up[1],
+          prefix + "down_proj.weight": np.asarray(mlp["down"])}
 
 
 def check_hf_state_dict(cfg: LlamaConfig, state: Mapping[str, np.ndarray],
@@ -76,31 +134,17 @@ def params_from_hf(cfg: LlamaConfig, state: Mapping[str, np.ndarray]) -> dict:
     a = np.asarray(state[key])
     return a.astype(dtype) if dtype is not None else a
 
-  kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
   params = {"embed_tokens": {"embedding": get("model.embed_tokens.weight")},
             "final_norm": {"scale": get("model.norm.weight")}}
   if not cfg.tie_word_embeddings:
     params["lm_head"] = get("lm_head.weight")
   for i in range(cfg.num_layers):
-    p = _HF_LAYER.format(i=i) + "self_attn."
-    qkv = np.concatenate([
-        get(p + "q_proj.weight").reshape(kv, g, hd, d),
-        get(p + "k_proj.weight").reshape(kv, 1, hd, d),
-        get(p + "v_proj.weight").reshape(kv, 1, hd, d)], axis=1)
-    attn = {"qkv": qkv, "o": get(p + "o_proj.weight").reshape(d, kv, g, hd)}
-    if cfg.attention_bias:
-      attn["qkv_bias"] = np.concatenate([
-          get(p + "q_proj.bias").reshape(kv, g, hd),
-          get(p + "k_proj.bias").reshape(kv, 1, hd),
-          get(p + "v_proj.bias").reshape(kv, 1, hd)], axis=1)
     m = _HF_LAYER.format(i=i)
     params[f"layers_{i}"] = {
         "input_norm": {"scale": get(m + "input_layernorm.weight")},
         "post_attention_norm": {"scale": get(m + "post_attention_layernorm.weight")},
-        "attn": attn,
-        "mlp": {"gate_up": np.stack([get(m + "mlp.gate_proj.weight"),
-                                     get(m + "mlp.up_proj.weight")]),
-                "down": get(m + "mlp.down_proj.weight")},
+        "attn": attention_from_hf(cfg, get, m + "self_attn."),
+        "mlp": mlp_from_hf(get, m + "mlp."),
     }
   return {"params": params}
 
@@ -108,8 +152,6 @@ def params_from_hf(cfg: LlamaConfig, state: Mapping[str, np.ndarray]) -> dict:
 def params_to_hf(cfg: LlamaConfig, variables: Mapping) -> dict[str, np.ndarray]:
   """Params pytree -> HF-named numpy arrays (the inverse of `params_from_hf`)."""
   params = variables["params"]
-  kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
-  q, kvd = cfg.num_heads * hd, kv * hd
   state = {"model.embed_tokens.weight": np.asarray(params["embed_tokens"]["embedding"]),
            "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
   if not cfg.tie_word_embeddings:
@@ -117,20 +159,8 @@ def params_to_hf(cfg: LlamaConfig, variables: Mapping) -> dict[str, np.ndarray]:
   for i in range(cfg.num_layers):
     layer = params[f"layers_{i}"]
     p = _HF_LAYER.format(i=i)
-    qkv = np.asarray(layer["attn"]["qkv"])
-    state[p + "self_attn.q_proj.weight"] = qkv[:, :g].reshape(q, d)
-    state[p + "self_attn.k_proj.weight"] = qkv[:, g].reshape(kvd, d)
-    state[p + "self_attn.v_proj.weight"] = qkv[:, g + 1].reshape(kvd, d)
-    state[p + "self_attn.o_proj.weight"] = np.asarray(layer["attn"]["o"]).reshape(d, q)
-    if cfg.attention_bias:
-      bias = np.asarray(layer["attn"]["qkv_bias"])
-      state[p + "self_attn.q_proj.bias"] = bias[:, :g].reshape(q)
-      state[p + "self_attn.k_proj.bias"] = bias[:, g].reshape(kvd)
-      state[p + "self_attn.v_proj.bias"] = bias[:, g + 1].reshape(kvd)
-    gate_up = np.asarray(layer["mlp"]["gate_up"])
-    state[p + "mlp.gate_proj.weight"] = gate_up[0]
-    state[p + "mlp.up_proj.weight"] = gate_up[1]
-    state[p + "mlp.down_proj.weight"] = np.asarray(layer["mlp"]["down"])
+    state.update(attention_to_hf(cfg, layer["attn"], p + "self_attn."))
+    state.update(mlp_to_hf(layer["mlp"], p + "mlp."))
     state[p + "input_layernorm.weight"] = np.asarray(layer["input_norm"]["scale"])
     state[p + "post_attention_layernorm.weight"] = np.asarray(
         layer["post_attention_norm"]["scale"])

@@ -1,0 +1,250 @@
+"""Directories the original EAGLE-2 / Jakiro / Gumiho code loads: config.json + weights.
+
+Weights go to `pytorch_model.bin` (torch.save of a name -> tensor dict; needs torch) and/or
+`model.safetensors` (no torch). The original loaders read `.bin` first when both exist (the
+Gumiho loader reads only `.bin`). config.json holds only the fields those loaders read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from jakiro_jax.export import torch_layout as tl
+from jakiro_jax.models.config import read_json
+
+BIN, SAFETENSORS = "pytorch_model.bin", "model.safetensors"
+FORMATS = ("bin", "safetensors")
+DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16"}
+# Gumiho's defaults (configs/smollm2_135m.py); its depth must exceed the head count.
+GUMIHO_TREE = dict(top_k=14, depth=6, total_tokens=64)
+
+
+def default_formats(method: str) -> tuple[str, ...]:
+  """What the original loader reads without extra installs: Gumiho only knows the `.bin`."""
+  return ("bin",) if method == "gumiho" else ("safetensors",)
+
+
+def reference_config(drafter, dtype: str = "float32") -> dict:
+  """The config.json of the original draft (EConfig fields + the extras its loader reads)."""
+  cfg = drafter.target_config
+  tl.check_reference_compatible(cfg)
+  scaling = dict(cfg.rope_scaling or ())
+  config = {
+      "architectures": ["LlamaForCausalLM"],
+      "model_type": "llama",
+      "hidden_act": "silu",
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size,
+      "num_hidden_layers": drafter.layer_config.num_layers,
+      "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "max_position_embeddings": cfg.max_position_embeddings,
+      "rms_norm_eps": cfg.rms_norm_eps,
+      "rope_theta": cfg.rope_theta,
+      # The reference EConfig accepts exactly {"type", "factor"} with a float factor.
+      "rope_scaling": ({"type": "linear", "factor": float(scaling["factor"])}
+                       if cfg.rope_type == "linear" else None),
+      "pretraining_tp": 1,
+      "tie_word_embeddings": False,
+      "torch_dtype": DTYPES[dtype],
+      "bias": bool(drafter.fc_bias) or drafter.name == "gumiho",  # fc bias (read from raw JSON)
+  }
+  if cfg.attention_bias:  # read with hasattr: only written when true
+    config["qkv_bias"] = True
+  if drafter.name == "jakiro":  # both MoE blocks read them in __init__
+    config.update(num_local_experts=2, num_experts_per_tok=2)
+  return config
+
+
+def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "float32",
+                        formats: Iterable[str] | None = None) -> list[str]:
+  """Writes config.json + weights the original code loads; returns the written paths.
+
+  embedding `[V, D]`: the target's, stored as `embed_tokens.weight` (Gumiho needs it).
+  dtype: "float32" or "float16". formats: subset of ("bin", "safetensors").
+  """
+  dtype = DTYPES.get(dtype, dtype)
+  if dtype not in ("float32", "float16"):
+    raise ValueError(f"export dtype must be fp32 or fp16, got {dtype!r}")
+  formats = tuple(formats or default_formats(drafter.name))
+  bad = [f for f in formats if f not in FORMATS]
+  if bad:
+    raise ValueError(f"unknown weight formats {bad}; available: {FORMATS}")
+  state = tl.to_reference_state_dict(drafter, params, embedding)
+  state = {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in state.items()}
+  out_dir = os.fspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  written = []
+  if "bin" in formats:
+    torch = _import_torch(f"writing {BIN}", "pass --safetensors (no torch needed)")
+    tensors = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
+    path = os.path.join(out_dir, BIN)
+    torch.save(tensors, path)
+    written.append(path)
+  if "safetensors" in formats:
+    from safetensors.numpy import save_file
+    path = os.path.join(out_dir, SAFETENSORS)
+    save_file(state, path, metadata={"format": "pt"})
+    written.append(path)
+  path = os.path.join(out_dir, "config.json")
+  with open(path, "w") as f:
+    json.dump(reference_config(drafter, dtype), f, indent=2)
+  return [path] + written
+
+
+def _import_torch(what: str, alternative: str):
+  try:
+    import torch
+  except ImportError:
+    raise ImportError(f"{what} needs torch (pip install 'jakiro-jax[torch]'); or "
+                      f"{alternative}") from None
+  return torch
+
+
+def read_state_dict(src_dir) -> tuple[dict[str, np.ndarray], str]:
+  """(name -> numpy array, path read) of a reference directory; `module.` prefixes stripped.
+
+  `pytorch_model.bin` wins over `model.safetensors`, like the original loaders.
+  """
+  src_dir = os.fspath(src_dir)
+  bin_path, st_path = os.path.join(src_dir, BIN), os.path.join(src_dir, SAFETENSORS)
+  if os.path.exists(bin_path):
+    if os.path.exists(st_path):
+      print(f"{src_dir} holds both {BIN} and {SAFETENSORS}: reading {BIN}, as the original "
+            f"loaders do", file=sys.stderr)
+    state, path = _read_bin(bin_path), bin_path
+  elif os.path.exists(st_path):
+    state, path = _read_safetensors(st_path), st_path
+  else:
+    raise FileNotFoundError(f"{src_dir} holds neither {BIN} nor {SAFETENSORS}")
+  # DDP training checkpoints prefix every name with "module.".
+  state = {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state.items()}
+  return state, path
+
+
+def _read_bin(path) -> dict[str, np.ndarray]:
+  torch = _import_torch(f"reading {path}", f"convert it to {SAFETENSORS}")
+  try:
+    loaded = torch.load(path, map_location="cpu", weights_only=True)
+  except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
+    raise ValueError(f"cannot read {path} (corrupt or truncated?): "
+                     f"{type(e).__name__}: {str(e)[:200]}") from None
+  if not isinstance(loaded, Mapping):
+    raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
+  state = {}
+  for k, v in loaded.items():
+    if not isinstance(v, torch.Tensor):
+      raise ValueError(f"{path}: entry {k!r} is a {type(v).__name__}, not a tensor")
+    v = v.detach().cpu()
+    # numpy has no bfloat16: widen it (exact).
+    state[k] = (v.float() if v.dtype == torch.bfloat16 else v).numpy()
+  return state
+
+
+def _read_safetensors(path) -> dict[str, np.ndarray]:
+  from safetensors import SafetensorError
+  from safetensors.numpy import load_file
+
+  from jakiro_jax.models.convert import _load_safetensors_any_dtype
+  try:
+    return _load_safetensors_any_dtype(path, load_file)
+  except (SafetensorError, OSError, ValueError, TypeError) as e:
+    raise ValueError(f"cannot read {path} (corrupt or truncated?): {e}") from None
+
+
+def _check_config(config: Mapping, cfg, path: str) -> None:
+  """The draft's config.json must describe the target's layer (our drafts mirror it)."""
+  heads = config.get("num_attention_heads")
+  theirs = {"vocab_size": config.get("vocab_size"), "hidden_size": config.get("hidden_size"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": config.get("num_key_value_heads") or heads,
+            "rope_theta": float(config.get("rope_theta") or 10000.0)}
+  ours = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+          "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+          "rope_theta": cfg.rope_theta}
+  wrong = [f"{k}={theirs[k]} (target: {ours[k]})" for k in ours if theirs[k] != ours[k]]
+  if wrong:
+    raise ValueError(f"{path} does not match the target: {', '.join(wrong)}")
+  eps = config.get("rms_norm_eps")
+  if eps is not None and not np.isclose(float(eps), cfg.rms_norm_eps):
+    print(f"warning: {path} has rms_norm_eps={eps}; the imported draft uses the target's "
+          f"{cfg.rms_norm_eps}", file=sys.stderr)
+
+
+def read_reference_dir(src_dir, method: str, target, tree=None, **options):
+  """A reference draft directory -> `(drafter, params)` for `target`.
+
+  Validates config.json against the target and the weight names and shapes against the
+  drafter (unknown, missing or mis-shaped keys are a ValueError listing them). The stored
+  `embed_tokens.weight` is checked against the target's and dropped.
+  """
+  from jakiro_jax.drafts import make_drafter
+  from jakiro_jax.spec.tree import TreeConfig
+  from gumiho_jax import export as gumiho_export
+
+  src_dir = os.fspath(src_dir)
+  config_path = os.path.join(src_dir, "config.json")
+  config = read_json(config_path, f"{src_dir} is not a draft directory (no config.json)")
+  state, path = read_state_dict(src_dir)
+  if method == "gumiho":
+    state = gumiho_export.normalize_keys(state)
+  found = tl.guess_method(state)
+  if found is not None and found != method:
+    raise ValueError(f"{path} is a {found} checkpoint, not {method} (pass --format={found})")
+  cfg = target.config
+  _check_config(config, cfg, config_path)
+  layers = int(config.get("num_hidden_layers", 1))
+  options = dict(options)
+  if method == "gumiho":
+    options.setdefault("num_layers", layers)
+    options.setdefault("mlp_num", gumiho_export.count_heads(state))
+    if options["mlp_num"] < 1:
+      raise ValueError(f"{path} holds no Gumiho MLP heads (mlp.{{i}}.{{j}}.linear.*)")
+    if tree is None:
+      tree = TreeConfig(**dict(GUMIHO_TREE, depth=max(GUMIHO_TREE["depth"],
+                                                      options["mlp_num"] + 1)))
+  else:
+    if layers != 1:
+      raise ValueError(f"{config_path}: num_hidden_layers={layers}, but {method} drafts "
+                       f"have one layer")
+    options.setdefault("fc_bias", bool(config.get("bias", True)))
+  drafter = make_drafter(method, cfg, tree or TreeConfig(), **options)
+  if tl.EMBEDDING in state:
+    _check_embedding(state[tl.EMBEDDING], target, path)
+  return drafter, tl.from_reference_state_dict(drafter, state)
+
+
+def _check_embedding(stored, target, path) -> None:
+  cfg = target.config
+  if tuple(stored.shape) != (cfg.vocab_size, cfg.hidden_size):
+    raise ValueError(f"{path}: embed_tokens.weight has shape {tuple(stored.shape)}, the "
+                     f"target's embedding is ({cfg.vocab_size}, {cfg.hidden_size}) "
+                     f"(vocab or hidden size mismatch)")
+  ours = np.asarray(target.params["params"]["embed_tokens"]["embedding"], np.float32)
+  if not np.allclose(np.asarray(stored, np.float32), ours, rtol=1e-2, atol=1e-3):
+    # Drafts share the target's embedding; a different one changes their inputs.
+    print(f"warning: {path} stores an embed_tokens.weight that differs from the target's; "
+          f"it is dropped and the target's is used", file=sys.stderr)
+
+
+def write_target_hf_dir(target, out_dir) -> None:
+  """`Target.save_hf`, plus `model.safetensors.index.json` for an unsharded file: the original
+  draft code reads the base embedding through that index."""
+  target.save_hf(out_dir)
+  out_dir = os.fspath(out_dir)
+  index = os.path.join(out_dir, "model.safetensors.index.json")
+  single = os.path.join(out_dir, SAFETENSORS)
+  if not os.path.exists(index) and os.path.exists(single):
+    from safetensors import safe_open
+    with safe_open(single, framework="numpy") as f:
+      names = list(f.keys())
+    total = os.path.getsize(single)
+    with open(index, "w") as f:
+      json.dump({"metadata": {"total_size": total},
+                 "weight_map": {k: SAFETENSORS for k in sorted(names)}}, f, indent=2)

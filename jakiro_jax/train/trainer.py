@@ -1,0 +1,509 @@
+"""Draft training: one jitted, donated step; orbax checkpoints; validation; logs.
+
+  python -m launch.train --config=configs/smollm2_135m_eagle2.py --data=DIR --out=DIR
+
+Step s (0-based) reads batch `s % steps_per_epoch` of epoch `s // steps_per_epoch` (the
+order is a function of (seed, epoch), `data_order.py`), draws its feature noise from
+`fold_in(noise_key, s)`, and nothing else carries randomness: a run killed anywhere and
+resumed from its last checkpoint ends with the same bits as an uninterrupted one.
+
+Output directory:
+  checkpoints/<step>/   orbax: {params, opt_state, step, rng} + JSON meta (data position,
+                        settings, the vocab subset's token ids)
+  config.json           the config of the run
+  vocab_subset.json     the token ids of the CPU-budget head (vocab_subset > 0), for people
+  metrics.jsonl, tb/    train/eval scalars (JSON lines, TensorBoard via tensorboardX)
+  draft/                the final draft in our own format (`drafts.io.load_draft`)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jakiro_jax.train.collate import pad_rows, shift_for_training, uniform_noise
+from jakiro_jax.train.data_order import DataOrder, split_rows
+from jakiro_jax.train.objectives import LossSettings, objective_for
+from jakiro_jax.train.vocab_subset import (frequent_tokens, head_fn_from, head_matrix,
+                                           save_subset)
+
+class TrainInputError(ValueError):
+  """A bad config, data set or output directory; the message says what to change."""
+
+
+# Config keys that may change when resuming (cadence of side effects, not the maths).
+RESUMABLE_CHANGES = ("log_every", "eval_every", "eval_rows", "save_every",
+                     "keep_checkpoints", "progress", "tensorboard")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every training setting with its default; experiment files override a few."""
+  c = ml_collections.ConfigDict()
+  c.method = "eagle2"  # eagle2 | jakiro | gumiho
+  c.target = "smollm2"  # embedded name, HF model directory or .gguf file
+  c.dtype = "float32"
+  c.tree = ml_collections.ConfigDict(dict(top_k=10, depth=5, total_tokens=60))
+  c.draft = ml_collections.ConfigDict()  # drafter options, e.g. Gumiho's mlp_num
+  # Data.
+  c.max_len = 1024  # rows are cut here (the original: 2048)
+  c.batch_size = 4  # global, split over the devices of the `data` mesh axis
+  c.val_fraction = 0.05  # last rows by prompt order
+  c.group_by_length = True
+  c.online = False  # True: features from the target inside the step, not from disk
+  c.noise = True  # EAGLE's uniform noise on the input features (train only)
+  c.noise_std = 0.2
+  c.vocab_subset = 0  # K > 0: losses over the K most frequent target tokens (CPU budget)
+  # Optimisation: AdamW, linear warm-up then cosine decay, clipping.
+  c.lr = 3e-4
+  c.warmup_steps = 100
+  c.num_steps = 0  # 0: num_epochs * steps_per_epoch
+  c.num_epochs = 1.0
+  c.end_lr_fraction = 0.0
+  c.b1 = 0.9
+  c.b2 = 0.95
+  c.weight_decay = 0.0
+  c.clip_mode = "value"  # value (EAGLE/Jakiro clip_grad_value_) | global_norm (Gumiho)
+  c.clip = 0.5
+  c.loss = ml_collections.ConfigDict(
+      {k: v for k, v in dataclasses.asdict(LossSettings()).items() if k != "mlp_ce"})
+  # Bookkeeping.
+  c.seed = 0
+  c.log_every = 10
+  c.eval_every = 0  # 0: validate only at the end
+  c.eval_rows = 16  # validation rows used (0: no validation)
+  c.save_every = 500
+  c.keep_checkpoints = 3
+  c.progress = True  # tqdm bar on stderr
+  c.tensorboard = True  # event files in OUT/tb (tensorboardX); metrics.jsonl always
+  return c
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+  """The static part of the train step."""
+  online: bool
+  noise: bool
+  noise_std: float
+  steps_per_epoch: int
+  loss: LossSettings
+
+
+def make_optimizer(config, total_steps: int):
+  """(optax transform, lr schedule). The specs' 7B recipes for reference: Jakiro lr 9e-5,
+  2000 warm-up steps, cosine, wd 1e-3, clip by value 0.5; EAGLE-2 lr 3e-5, linear, wd 0.01,
+  clip by value 0.5; Gumiho lr 2e-4, 200 warm-up steps, linear decay, wd 0, clip by
+  global norm 0.5. All AdamW with betas (0.9, 0.95)."""
+  warmup = min(config.warmup_steps, max(total_steps - 1, 0))
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.lr, warmup_steps=warmup,
+      decay_steps=max(total_steps, warmup + 1), end_value=config.lr * config.end_lr_fraction)
+  if config.clip_mode == "value":
+    clip = optax.clip(config.clip)
+  elif config.clip_mode == "global_norm":
+    clip = optax.clip_by_global_norm(config.clip)
+  else:
+    raise TrainInputError(f"clip_mode must be 'value' or 'global_norm', "
+                          f"got {config.clip_mode!r}")
+  tx = optax.chain(clip, optax.adamw(schedule, b1=config.b1, b2=config.b2,
+                                     weight_decay=config.weight_decay))
+  return tx, schedule
+
+
+def initial_params(drafter, seed: int):
+  """The draft params a run with this seed starts from."""
+  return drafter.init_params(jax.random.split(jax.random.PRNGKey(seed))[0])
+
+
+def step_key(seed: int) -> jax.Array:
+  """The key whose `fold_in(key, step)` draws step `step`'s feature noise."""
+  return jax.random.split(jax.random.PRNGKey(seed))[1]
+
+
+def step_loss(drafter, settings: StepSettings, params, batch: dict, target_params, head,
+              epoch, rng):
+  """The training loss of one padded batch (`collate.pad_rows` arrays) -> (loss, terms).
+
+  In the online mode the features come from the frozen target here; the stored mode reads
+  `batch["features"]`. The shift, the noise and the objective are the same for both.
+  """
+  from jakiro_jax.train.features import features_jit
+
+  target_params = jax.lax.stop_gradient(target_params)
+  if settings.online:
+    features = jax.lax.stop_gradient(
+        features_jit(target_params, batch["input_ids"], config=drafter.target_config))
+  else:
+    features = batch["features"]
+  shifted = shift_for_training(batch["input_ids"], features, batch["loss_mask"],
+                               batch["lengths"], dtype=drafter.target_config.dtype)
+  if settings.noise:
+    shifted = shifted.replace(features=uniform_noise(rng, shifted.features, batch["lengths"],
+                                                     settings.noise_std))
+  objective = objective_for(drafter)
+  return objective(drafter, params, target_params, shifted, head_fn_from(head), epoch,
+                   settings.loss)
+
+
+def make_train_step(drafter, settings: StepSettings, tx, schedule, state_sharding,
+                    batch_sharding, replicated):
+  """jit(state, batch, target_params, head) -> (state, metrics); the state is donated."""
+
+  def step(state, batch, target_params, head):
+    count = state["step"]
+    epoch = count // settings.steps_per_epoch
+    rng = jax.random.fold_in(state["rng"], count)
+    (loss, terms), grads = jax.value_and_grad(
+        lambda p: step_loss(drafter, settings, p, batch, target_params, head, epoch, rng),
+        has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = dict(terms, loss=loss, grad_norm=optax.tree_utils.tree_norm(grads),
+                   lr=schedule(count))
+    return dict(state, params=params, opt_state=opt_state, step=count + 1), metrics
+
+  return jax.jit(step, donate_argnums=(0,),
+                 in_shardings=(state_sharding, batch_sharding, replicated, replicated),
+                 out_shardings=(state_sharding, replicated))
+
+
+@dataclasses.dataclass
+class TrainResult:
+  params: Any
+  step: int
+  history: list  # logged train records
+  evals: list  # validation records
+  out_dir: str
+
+
+class _Logs:
+  """stdout lines (through tqdm when a bar is shown), metrics.jsonl and TensorBoard."""
+
+  def __init__(self, out_dir, bar, tensorboard: bool):
+    self.bar = bar
+    self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+    self.tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+      self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
+
+  def line(self, text: str) -> None:
+    if self.bar is not None and not self.bar.disable:
+      self.bar.write(text, file=sys.stdout)
+    else:
+      print(text, flush=True)
+
+  def record(self, kind: str, step: int, values: dict) -> None:
+    self.jsonl.write(json.dumps(dict(values, kind=kind, step=step)) + "\n")
+    self.jsonl.flush()
+    if self.tb is not None:
+      for k, v in values.items():
+        if isinstance(v, (int, float)) and math.isfinite(v):
+          self.tb.add_scalar(f"{kind}/{k}", v, step)
+
+  def close(self) -> None:
+    self.jsonl.close()
+    if self.tb is not None:
+      self.tb.close()
+
+
+def _fingerprint(config, total_steps: int, num_train: int) -> dict:
+  d = json.loads(config.to_json())
+  for k in RESUMABLE_CHANGES:
+    d.pop(k, None)
+  return dict(d, total_steps=total_steps, num_train_rows=num_train)
+
+
+def _scan_columns(dataset):
+  """prompt_index `[N]`, lengths `[N]` and the arrow table of ids/masks (zero-copy)."""
+  import pyarrow.compute as pc
+
+  table = dataset.select_columns(["prompt_index", "input_ids", "loss_mask"]) \
+      .with_format("arrow")[:]
+  prompt_index = table["prompt_index"].to_numpy()
+  lengths = pc.list_value_length(table["input_ids"]).to_numpy().astype(np.int64)
+  return prompt_index, lengths, table
+
+
+def _token_subset(table, train_rows, vocab_size: int, k: int, max_len: int) -> np.ndarray:
+  import pyarrow as pa
+
+  picked = table.take(pa.array(train_rows))
+  ids = [np.asarray(x)[:max_len] for x in picked["input_ids"].to_numpy(zero_copy_only=False)]
+  masks = [np.asarray(x)[:max_len] for x in picked["loss_mask"].to_numpy(zero_copy_only=False)]
+  return frequent_tokens(ids, masks, vocab_size, k)
+
+
+def _check_config(config) -> None:
+  from jakiro_jax.drafts import DRAFTERS
+  if config.method not in DRAFTERS:
+    raise TrainInputError(f"unknown method {config.method!r}; available: {sorted(DRAFTERS)}")
+  for name in ("batch_size", "max_len", "log_every", "save_every"):
+    if config[name] < 1:
+      raise TrainInputError(f"config.{name} must be >= 1, got {config[name]}")
+  if config.num_steps < 0 or (config.num_steps == 0 and config.num_epochs <= 0):
+    raise TrainInputError("set config.num_steps > 0 or config.num_epochs > 0")
+
+
+@dataclasses.dataclass
+class _Inputs:
+  """What a run reads: rows, target, drafter, split and order."""
+  rows: Any  # datasets.Dataset (numpy format); no features column in the online mode
+  table: Any  # arrow table of prompt_index / input_ids / loss_mask (zero-copy)
+  target: Any
+  drafter: Any
+  train_rows: np.ndarray
+  val_rows: np.ndarray
+  order: DataOrder
+
+
+def _load_inputs(config, data_dir) -> _Inputs:
+  from jakiro_jax.drafts import make_drafter
+  from jakiro_jax.spec.tree import TreeConfig
+  from jakiro_jax.target import load_target
+  from jakiro_jax.train.data import load_feature_dataset
+
+  if not os.path.isdir(os.fspath(data_dir)):
+    raise FileNotFoundError(f"feature set directory {data_dir} does not exist; make one "
+                            f"with `python -m launch.gen_data`")
+  dataset, meta = load_feature_dataset(data_dir)
+  target = load_target(config.target, dtype=config.dtype, with_tokenizer=False)
+  for field, ours in (("hidden_size", target.config.hidden_size),
+                      ("vocab_size", target.config.vocab_size)):
+    if meta.get(field) != ours:
+      raise TrainInputError(f"feature set {data_dir} was made for {field}={meta.get(field)} "
+                       f"(target {meta.get('target')!r}) but target {config.target!r} has "
+                       f"{field}={ours}")
+  drafter = make_drafter(config.method, target.config, TreeConfig(**config.tree),
+                         **config.draft.to_dict())
+  prompt_index, lengths, table = _scan_columns(dataset)
+  train_rows, val_rows = split_rows(prompt_index, config.val_fraction)
+  order = DataOrder(train_rows, np.minimum(lengths[train_rows], config.max_len),
+                    config.batch_size, config.seed, config.group_by_length)
+  if config.online:  # features come from the target; never read them from disk
+    dataset = dataset.select_columns(["prompt_index", "input_ids", "loss_mask"])
+  return _Inputs(dataset, table, target, drafter, train_rows, val_rows, order)
+
+
+def _restore(checkpoints, step: int, abstract, fingerprint: dict, order: DataOrder):
+  """(state, vocab subset or None) of checkpoint `step`, refusing changed settings."""
+  state, saved = checkpoints.restore(step, abstract)
+  changed = sorted(k for k in set(saved["settings"]) | set(fingerprint)
+                   if saved["settings"].get(k) != fingerprint.get(k))
+  if changed:
+    raise TrainInputError(f"cannot resume {checkpoints.directory}: settings changed since the "
+                     f"checkpoint ({', '.join(changed)}); only "
+                     f"{', '.join(RESUMABLE_CHANGES)} may")
+  if int(state["step"]) != step or tuple(saved["position"]) != order.position(step):
+    raise TrainInputError(f"checkpoint {step} in {checkpoints.directory} is inconsistent (step "
+                     f"{int(state['step'])}, position {saved['position']})")
+  subset = saved.get("vocab_subset")
+  return state, None if subset is None else np.asarray(subset, np.int32)
+
+
+def _evaluate(batches, params, target_params, head, drafter, online: bool, sharding) -> dict:
+  """alpha_k and tau (`metrics.py`) over the padded validation batches."""
+  from jakiro_jax.train.features import features_jit
+  from jakiro_jax.train.metrics import acceptance_counts, summarize
+
+  hits = trials = 0
+  for batch in batches:
+    batch = jax.device_put(batch, sharding)
+    features = (features_jit(target_params, batch["input_ids"], config=drafter.target_config)
+                if online else batch["features"])
+    h, t = acceptance_counts(params, target_params, batch["input_ids"], features,
+                             batch["loss_mask"], batch["lengths"], head, drafter=drafter)
+    hits, trials = hits + np.asarray(h), trials + np.asarray(t)
+  return summarize(hits, trials)
+
+
+def _train_line(step: int, total: int, values: dict) -> str:
+  terms = " ".join(f"{k} {values[k]:.4f}" for k in sorted(values)
+                   if k.startswith(("vloss", "ploss")))
+  return (f"step {step}/{total} | loss {values['loss']:.4f} | {terms} | "
+          f"lr {values['lr']:.2e} | gnorm {values['grad_norm']:.3f} | "
+          f"{values['tokens_per_s']:.0f} tok/s {values['steps_per_s']:.2f} steps/s | "
+          f"elapsed {values['elapsed_s']:.0f}s")
+
+
+def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | None = None,
+          progress: bool | None = None, log: Callable[[str], None] | None = None
+          ) -> TrainResult:
+  """Trains a draft on a feature set (`launch.gen_data`) and returns the final params.
+
+  Without `resume` an output directory that already holds a checkpoint is an error; with
+  it the latest checkpoint is restored (or training starts if there is none) and the run
+  continues exactly. `max_steps` overrides config.num_steps (the schedule's length).
+  """
+  from tqdm import tqdm
+
+  from jakiro_jax.drafts.io import save_draft
+  from jakiro_jax.train.checkpoints import TrainCheckpoints
+
+  config = copy.deepcopy(config)
+  if max_steps is not None:
+    config.num_steps = int(max_steps)
+  _check_config(config)
+  out_dir = os.path.abspath(os.fspath(out_dir))
+  checkpoints_dir = os.path.join(out_dir, "checkpoints")
+  if os.path.isdir(checkpoints_dir) and not resume:
+    existing = TrainCheckpoints(checkpoints_dir)
+    latest = existing.latest_step()
+    existing.close()
+    if latest is not None:
+      raise TrainInputError(f"{out_dir} already holds a training run (checkpoint at step "
+                       f"{latest}); pass --resume to continue it, or choose another --out")
+  inputs = _load_inputs(config, data_dir)
+  target, drafter, order = inputs.target, inputs.drafter, inputs.order
+  spe = order.steps_per_epoch
+  total_steps = config.num_steps or math.ceil(config.num_epochs * spe)
+
+  # Devices: a 1-D `data` mesh; the batch is split over it, everything else replicated.
+  devices = jax.devices()
+  if config.batch_size % len(devices):
+    raise TrainInputError(f"batch_size {config.batch_size} is not divisible by the "
+                     f"{len(devices)} devices of the data mesh")
+  mesh = Mesh(np.array(devices), ("data",))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+  target_params = jax.device_put(target.params, replicated)
+  tx, schedule = make_optimizer(config, total_steps)
+
+  def init_state():
+    params = initial_params(drafter, config.seed)
+    return {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
+            "rng": step_key(config.seed)}
+
+  os.makedirs(out_dir, exist_ok=True)
+  fingerprint = _fingerprint(config, total_steps, len(inputs.train_rows))
+  checkpoints = TrainCheckpoints(checkpoints_dir, keep=config.keep_checkpoints)
+  bar = logs = None
+  try:
+    start = checkpoints.latest_step() if resume else None
+    if start is None:
+      state, subset, start = jax.jit(init_state, out_shardings=replicated)(), None, 0
+    else:
+      abstract = jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+          jax.eval_shape(init_state))
+      state, subset = _restore(checkpoints, start, abstract, fingerprint, order)
+    if config.vocab_subset and subset is None:
+      # Computed once per run; saved with every checkpoint (and as a json for people).
+      subset = _token_subset(inputs.table, inputs.train_rows, target.config.vocab_size,
+                             config.vocab_subset, config.max_len)
+      save_subset(out_dir, subset)
+    tied = target.config.tie_word_embeddings
+    full_head = jax.device_put(head_matrix(target.params, tied), replicated)
+    train_head = (full_head if subset is None else
+                  jax.device_put(head_matrix(target.params, tied, subset), replicated))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+      f.write(config.to_json(indent=2))
+
+    settings = StepSettings(online=bool(config.online), noise=bool(config.noise),
+                            noise_std=float(config.noise_std), steps_per_epoch=spe,
+                            loss=LossSettings(**config.loss.to_dict()))
+    compiled = {}
+
+    def train_step_at(step: int):
+      """The jitted step of a step's phase: Gumiho compiles one without and one with the
+      MLP cross-entropy (weight 0 before loss.mlp_p_start_epoch), the others one."""
+      phase = settings
+      if drafter.name == "gumiho":
+        ce = order.position(step)[0] >= settings.loss.mlp_p_start_epoch
+        phase = dataclasses.replace(settings,
+                                    loss=dataclasses.replace(settings.loss, mlp_ce=ce))
+      if phase not in compiled:
+        compiled[phase] = make_train_step(drafter, phase, tx, schedule, replicated,
+                                          batch_sharding, replicated)
+      return compiled[phase]
+
+    def load_batch(step: int) -> dict:
+      rows = [inputs.rows[int(i)] for i in order.batch_rows(step)]
+      return pad_rows(rows, config.batch_size, config.max_len,
+                      with_features=not config.online)
+
+    picked = [inputs.rows[int(i)] for i in inputs.val_rows[:max(config.eval_rows, 0)]]
+    eval_batches = [pad_rows(picked[i:i + config.batch_size], config.batch_size,
+                             config.max_len, with_features=not config.online)
+                    for i in range(0, len(picked), config.batch_size)]
+
+    def save(step: int) -> None:
+      epoch, index = order.position(step)
+      checkpoints.save(step, state, {
+          "step": step, "position": [epoch, index], "seed": config.seed,
+          "rng": [int(x) for x in np.asarray(jax.device_get(state["rng"]))],
+          "steps_per_epoch": spe, "settings": fingerprint,
+          "vocab_subset": None if subset is None else [int(i) for i in subset]})
+
+    show = config.progress if progress is None else progress
+    bar = tqdm(total=total_steps, initial=start, disable=not show, file=sys.stderr,
+               dynamic_ncols=True, desc=f"train {config.method}")
+    logs = _Logs(out_dir, bar, config.tensorboard)
+    say = log or logs.line
+    say(f"{config.method} draft on {config.target}: {len(inputs.train_rows)} train / "
+        f"{len(inputs.val_rows)} validation rows, {spe} steps per epoch, {total_steps} "
+        f"steps, batch {config.batch_size} on {len(devices)} device(s), "
+        f"{'online' if config.online else 'stored'} features, "
+        f"head {'full' if subset is None else f'{len(subset)} tokens'}"
+        + (f"; resumed at step {start}" if start else ""))
+
+    history, evals = [], []
+    step, window_tokens, window_metrics = start, 0, []
+    started = window_start = time.perf_counter()
+    batch = load_batch(step) if step < total_steps else None
+    while step < total_steps:
+      state, metrics = train_step_at(step)(state, batch, target_params, train_head)
+      window_tokens += int(batch["lengths"].sum())  # real tokens, padding not counted
+      window_metrics.append(metrics)  # device arrays: no host sync until the log line
+      step += 1
+      if step < total_steps:  # collate the next batch while the step runs
+        batch = load_batch(step)
+      if step % config.log_every == 0 or step == total_steps:
+        fetched = jax.device_get(window_metrics)  # averaged over the window, lr the last
+        values = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]
+                  if all(k in m for m in fetched)}  # Gumiho's phases log other terms
+        values["lr"] = float(fetched[-1]["lr"])
+        now = time.perf_counter()
+        values.update(tokens_per_s=window_tokens / (now - window_start),
+                      steps_per_s=len(fetched) / (now - window_start),
+                      elapsed_s=now - started, epoch=order.position(step - 1)[0])
+        history.append(dict(values, step=step))
+        logs.record("train", step, values)
+        say(_train_line(step, total_steps, values))
+        window_tokens, window_metrics, window_start = 0, [], time.perf_counter()
+      if step % config.save_every == 0 or step == total_steps:
+        save(step)
+      if eval_batches and ((config.eval_every and step % config.eval_every == 0)
+                           or step == total_steps):
+        eval_start = time.perf_counter()
+        result = _evaluate(eval_batches, state["params"], target_params, full_head,
+                           drafter, bool(config.online), batch_sharding)
+        eval_seconds = time.perf_counter() - eval_start
+        evals.append(dict(result, step=step))
+        logs.record("eval", step, result)
+        alphas = " ".join(f"{result[k]:.3f}" for k in result if k.startswith("alpha_"))
+        say(f"eval step {step} | alpha_k {alphas} | tau {result['tau']:.3f} | "
+            f"{result['starts']} starts | {eval_seconds:.1f}s")
+        window_start += eval_seconds  # not training throughput
+      bar.update(1)
+  finally:  # also on errors: the manager's threads, the log files
+    if bar is not None:
+      bar.close()
+    if logs is not None:
+      logs.close()
+    checkpoints.close()
+  params = jax.device_get(state["params"])
+  save_draft(os.path.join(out_dir, "draft"), drafter, params, dtype="float16")
+  return TrainResult(params=params, step=step, history=history, evals=evals, out_dir=out_dir)

@@ -1,0 +1,93 @@
+"""Export a draft to the directory layout the original PyTorch code loads, or a target to HF.
+
+  python -m launch.export --draft=DIR --target=smollm2 --format=jakiro --out=DIR \
+      [--dtype=fp16|fp32] [--safetensors] [--bin] [--with_embedding]
+  python -m launch.export --target=smollm2|DIR|file.gguf --format=hf --out=DIR
+
+--draft is one of our draft directories (`draft.json` + `model.safetensors`) or the name of
+a shipped draft (`jakiro_jax/drafts/io.py: SHIPPED_DRAFTS`); --format must be its method
+(eagle2, jakiro or gumiho). The target is needed because drafts do not store its embedding:
+Gumiho's loader requires `embed_tokens.weight` in the file; EAGLE-2 and Jakiro copy it from
+the base model, so it is added only with --with_embedding. Weight files: `model.safetensors`
+(--safetensors, no torch needed) and/or `pytorch_model.bin` (--bin, needs torch); by default
+Gumiho gets the `.bin` (its loader reads nothing else), the others the safetensors file.
+
+--format=hf writes the target as a HuggingFace directory (config.json, safetensors,
+tokenizer) plus `model.safetensors.index.json`, through which the original draft code
+reads the base embedding.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+_DRAFT = flags.DEFINE_string("draft", None, "Our draft directory or a shipped draft name.")
+_TARGET = flags.DEFINE_string("target", "smollm2",
+                              "Target: 'smollm2', a HuggingFace directory or a .gguf file.")
+_FORMAT = flags.DEFINE_enum("format", None, ["eagle2", "jakiro", "gumiho", "hf"],
+                            "Layout to write: the draft's method, or hf for the target.")
+_OUT = flags.DEFINE_string("out", None, "Output directory.")
+_DTYPE = flags.DEFINE_enum("dtype", "fp32", ["fp32", "fp16"], "Dtype of the draft weights.")
+_SAFETENSORS = flags.DEFINE_bool("safetensors", None, "Write model.safetensors.")
+_BIN = flags.DEFINE_bool("bin", None, "Write pytorch_model.bin (needs torch).")
+_WITH_EMBEDDING = flags.DEFINE_bool(
+    "with_embedding", False, "EAGLE-2/Jakiro: also store the target's embed_tokens.weight "
+    "(always stored for Gumiho).")
+
+
+def export_draft(draft: str, target_source: str, method: str, out: str, dtype: str = "fp32",
+                 formats=None, with_embedding: bool = False) -> list[str]:
+  """Loads our draft for the target and writes the reference directory; returns the paths."""
+  from jakiro_jax.drafts.io import load_draft
+  from jakiro_jax.export import write_reference_dir
+  from jakiro_jax.export.torch_layout import embedding_required
+  from jakiro_jax.target import load_target
+
+  print(f"loading target {target_source} ...", file=sys.stderr)
+  target = load_target(target_source, with_tokenizer=False)
+  drafter, params = load_draft(draft, target)
+  if drafter.name != method:
+    raise ValueError(f"draft {draft} is a {drafter.name} draft; pass --format={drafter.name}")
+  if formats and "bin" not in formats and method == "gumiho":
+    print("warning: the original Gumiho loader reads only pytorch_model.bin",
+          file=sys.stderr)
+  embedding = None
+  if with_embedding or embedding_required(method):
+    embedding = target.params["params"]["embed_tokens"]["embedding"]
+  return write_reference_dir(out, drafter, params, embedding, dtype, formats)
+
+
+def export_target(target_source: str, out: str) -> None:
+  from jakiro_jax.export import write_target_hf_dir
+  from jakiro_jax.target import load_target
+
+  print(f"loading target {target_source} ...", file=sys.stderr)
+  write_target_hf_dir(load_target(target_source), out)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not _FORMAT.value or not _OUT.value:
+    raise app.UsageError("--format and --out are required")
+  try:
+    if _FORMAT.value == "hf":
+      if _DRAFT.value:
+        raise app.UsageError("--format=hf exports the target; drop --draft")
+      export_target(_TARGET.value, _OUT.value)
+      print(f"wrote the target {_TARGET.value} to {_OUT.value}")
+      return
+    if not _DRAFT.value:
+      raise app.UsageError(f"--format={_FORMAT.value} needs --draft=DIR (or a shipped name)")
+    formats = [f for f, flag in (("bin", _BIN), ("safetensors", _SAFETENSORS)) if flag.value]
+    paths = export_draft(_DRAFT.value, _TARGET.value, _FORMAT.value, _OUT.value,
+                         _DTYPE.value, formats or None, _WITH_EMBEDDING.value)
+  except (ValueError, FileNotFoundError, ImportError) as e:
+    sys.exit(f"error: {e}")
+  print("wrote " + ", ".join(paths))
+
+
+if __name__ == "__main__":
+  app.run(main)

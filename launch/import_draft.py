@@ -1,0 +1,66 @@
+"""Import a draft written for the original PyTorch code into our draft directory layout.
+
+  python -m launch.import_draft --src=DIR --format=eagle2|jakiro|gumiho \
+      --target=smollm2|DIR|file.gguf --out=DIR [--top_k --depth --total_tokens]
+
+DIR holds config.json and `pytorch_model.bin` (needs torch) or `model.safetensors`; if both
+exist the `.bin` is read, as the original loaders do. A `module.` prefix (DDP checkpoints)
+is stripped. Every name and shape is checked: unknown, missing or mis-shaped keys are an
+error listing them (the original loaders silently skip wrong names). The stored
+`embed_tokens.weight` is checked against the target's and dropped. The output directory is
+loaded by `load_draft` (and `--draft=DIR` in launch.bench).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+_SRC = flags.DEFINE_string("src", None, "Directory in the original layout.")
+_FORMAT = flags.DEFINE_enum("format", None, ["eagle2", "jakiro", "gumiho"],
+                            "The method whose layout DIR has.")
+_TARGET = flags.DEFINE_string("target", "smollm2",
+                              "Target: 'smollm2', a HuggingFace directory or a .gguf file.")
+_OUT = flags.DEFINE_string("out", None, "Output draft directory (our layout).")
+_TOP_K = flags.DEFINE_integer("top_k", None, "Tree stored with the draft: children per node.")
+_DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the context.")
+_TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round.")
+
+
+def import_draft(src: str, method: str, target_source: str, out: str, tree=None):
+  """Reads the reference directory, writes ours; returns `(drafter, params)`."""
+  from jakiro_jax.drafts.io import save_draft
+  from jakiro_jax.export import read_reference_dir
+  from jakiro_jax.target import load_target
+
+  print(f"loading target {target_source} ...", file=sys.stderr)
+  target = load_target(target_source, with_tokenizer=False)
+  drafter, params = read_reference_dir(src, method, target, tree)
+  save_draft(out, drafter, params)
+  return drafter, params
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not (_SRC.value and _FORMAT.value and _OUT.value):
+    raise app.UsageError("--src, --format and --out are required")
+  from jakiro_jax.export.reference_dir import GUMIHO_TREE
+  from jakiro_jax.spec.tree import TreeConfig
+
+  overrides = {k: f.value for k, f in (("top_k", _TOP_K), ("depth", _DEPTH),
+                                         ("total_tokens", _TOTAL)) if f.value is not None}
+  try:
+    tree = None
+    if overrides:
+      base = GUMIHO_TREE if _FORMAT.value == "gumiho" else {}
+      tree = TreeConfig(**dict(base, **overrides))
+    drafter, _ = import_draft(_SRC.value, _FORMAT.value, _TARGET.value, _OUT.value, tree)
+  except (ValueError, FileNotFoundError, ImportError) as e:
+    sys.exit(f"error: {e}")
+  print(f"wrote {drafter.name} draft to {_OUT.value} (tree {drafter.tree})")
+
+
+if __name__ == "__main__":
+  app.run(main)

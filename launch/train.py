@@ -1,0 +1,47 @@
+"""Train a draft head (EAGLE-2, Jakiro or Gumiho) on a feature set.
+
+  python -m launch.gen_data --config=configs/smollm2_135m.py \
+      --prompts=../shared/data/train/prompts.jsonl --out=data/smollm2_selfdistill
+  python -m launch.train --config=configs/smollm2_135m_eagle2.py \
+      --data=data/smollm2_selfdistill --out=runs/smollm2_eagle2
+
+Any config value can be overridden, e.g. `--config.batch_size=8 --config.online=True`.
+A run writes orbax checkpoints every `save_every` steps; rerun the same command with
+--resume after an interruption to continue it exactly. The final draft lands in
+OUT/draft (`jakiro_jax.drafts.io.load_draft`, `launch.bench --draft=OUT/draft`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
+                                          lock_config=True)
+_DATA = flags.DEFINE_string("data", None, "Feature set directory (launch.gen_data).")
+_OUT = flags.DEFINE_string("out", None, "Output directory (checkpoints, logs, draft).")
+_RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --out from its latest "
+                            "checkpoint (starts fresh if it has none).")
+_MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Override config.num_steps.")
+flags.mark_flags_as_required(["config", "data", "out"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
+    logging.set_verbosity(logging.WARNING)
+  from jakiro_jax.train.trainer import TrainInputError, train
+
+  try:
+    result = train(_CONFIG.value, _DATA.value, _OUT.value, resume=_RESUME.value,
+                   max_steps=_MAX_STEPS.value)
+  except (TrainInputError, FileNotFoundError) as e:  # the message says what to change
+    sys.exit(f"error: {e}")
+  print(f"trained {result.step} steps; draft in {result.out_dir}/draft", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
