@@ -19,14 +19,15 @@ as separate jitted parts at the mean context length, see `spec/round_timing.py`)
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import statistics
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from jakiro_jax.spec.benchmark import (ar_baseline, base_report, read_questions,
+                                      resolve_draft, spec_report, tree_and_options)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -54,73 +55,9 @@ _COMPARE_HF = flags.DEFINE_bool("compare_hf", False,
 _SHOW = flags.DEFINE_integer("show", 1, "Print this many decoded answers.")
 
 
-def read_questions(path: str, limit: int) -> list[str]:
-  """First user turns of a FastChat question file."""
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"questions file {path} does not exist")
-  turns = []
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-        turns.append(record["turns"][0])
-      except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-        raise ValueError(f"{path}:{n} is not a FastChat question "
-                         f"(a JSON object with a 'turns' list)") from None
-      if len(turns) == limit:
-        break
-  if not turns:
-    raise ValueError(f"{path} holds no questions")
-  return turns
-
-
-def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
-                  options: dict | None = None):
-  """(drafter, params) from a directory, a shipped name, 'random' or the shipped default."""
-  import jax
-
-  from jakiro_jax.drafts import make_drafter
-  from jakiro_jax.drafts.io import SHIPPED_DRAFTS, load_draft
-
-  if draft == "random":
-    drafter = make_drafter(method, target.config, tree, **(options or {}))
-    return drafter, drafter.init_params(jax.random.PRNGKey(seed))
-  if draft is None:
-    name = f"{target.name}-{method}"
-    if name not in SHIPPED_DRAFTS:
-      raise ValueError(f"no trained {method} draft ships for target {target.name!r} yet; "
-                       f"pass --draft=DIR, or --draft=random for an untrained (lossless, "
-                       f"slow) draft")
-    draft = name
-  drafter, params = load_draft(draft, target, tree)
-  if options and "fta" in options:
-    drafter = dataclasses.replace(drafter, fta=options["fta"])
-  if drafter.name != method:
-    raise ValueError(f"draft {draft} is a {drafter.name} draft, not {method}")
-  return drafter, params
-
-
-def _timed_runs(prompts, generate_fn, desc):
-  """Warm-up compile per prompt bucket (untimed), then one timed run per prompt."""
-  from tqdm import tqdm
-
-  from jakiro_jax.spec.batching import prompt_bucket
-
-  warmed = set()
-  for prompt in prompts:
-    if prompt_bucket(len(prompt)) not in warmed:
-      generate_fn(prompt, 0)
-      warmed.add(prompt_bucket(len(prompt)))
-  return [generate_fn(p, i) for i, p in enumerate(tqdm(prompts, desc=desc, file=sys.stderr))]
-
-
 def run(config, method: str, questions: list[str], max_new_tokens: int, sampling, seed: int,
         compare_hf: bool, show: int = 0, draft: str | None = None, tree=None,
         draft_options: dict | None = None) -> dict:
-  from jakiro_jax.spec.autoregressive import generate_ar
-  from jakiro_jax.spec.generate import generate
   from jakiro_jax.spec.tree import TreeConfig
   from jakiro_jax.target import load_target
 
@@ -129,58 +66,17 @@ def run(config, method: str, questions: list[str], max_new_tokens: int, sampling
   if method != "ar":  # resolve the draft first: a missing draft fails before any work
     tree = tree or TreeConfig(**config.tree)
     drafter, params = resolve_draft(target, method, draft, tree, seed, draft_options or {})
-  ar_runs = _timed_runs(
-      prompts, lambda p, i: generate_ar(target, [p], max_new_tokens, sampling, seed=seed + i),
-      "ar")
-  outputs = [r.tokens[0] for r in ar_runs]
-  ar_seconds = [r.seconds for r in ar_runs]
-  ar_tokens = sum(len(o) for o in outputs)
-  report = {
-      "method": method,
-      "target": target.name,
-      "temperature": sampling.temperature,
-      "top_p": sampling.top_p,
-      "top_k": sampling.top_k,
-      "n_questions": len(prompts),
-      "max_new_tokens": max_new_tokens,
-      "ar_new_tokens": ar_tokens,
-      "ar_tokens_per_s": ar_tokens / sum(ar_seconds),
-      "ar_median_tokens_per_s": statistics.median(
-          len(o) / s for o, s in zip(outputs, ar_seconds)),
-  }
+  ar = ar_baseline(target, prompts, max_new_tokens, sampling, seed)
+  report = base_report(method, target, prompts, max_new_tokens, sampling, ar)
+  outputs = ar["outputs"]
   if method == "ar":
-    report.update(new_tokens=ar_tokens, seconds=sum(ar_seconds),
+    report.update(new_tokens=ar["ar_new_tokens"], seconds=sum(ar["seconds"]),
                   tokens_per_s=report["ar_tokens_per_s"],
                   median_tokens_per_s=report["ar_median_tokens_per_s"])
   else:
-    spec_runs = _timed_runs(
-        prompts, lambda p, i: generate(target, drafter, params, [p], max_new_tokens, sampling,
-                                       seed=seed + i), method)
-    spec_outputs = [r.tokens[0] for r in spec_runs]
-    spec_seconds = [r.seconds for r in spec_runs]
-    new_tokens = sum(len(o) for o in spec_outputs)
-    accepts = [a for r in spec_runs for a in r.accept_lens[0]]
-    report.update(
-        draft=draft or "shipped", fta=bool(getattr(drafter, "fta", False)),
-        top_k_tree=tree.top_k, depth=tree.depth,
-        total_tokens=tree.total_tokens,
-        new_tokens=new_tokens, seconds=sum(spec_seconds),
-        tokens_per_s=new_tokens / sum(spec_seconds),
-        median_tokens_per_s=statistics.median(
-            len(o) / s for o, s in zip(spec_outputs, spec_seconds)),
-        rounds=len(accepts), tau=1.0 + sum(accepts) / max(len(accepts), 1),
-        speedup=(new_tokens / sum(spec_seconds)) / report["ar_tokens_per_s"],
-        median_speedup=statistics.median(
-            (len(o) / s) / (len(a) / t) for o, s, a, t in
-            zip(spec_outputs, spec_seconds, outputs, ar_seconds)),
-        greedy_mismatches=(sum(a != b for a, b in zip(spec_outputs, outputs))
-                           if sampling.greedy else None),
-        draft_forwards_per_round=drafter.draft_forwards_per_round())
-    from jakiro_jax.spec.round_timing import round_split
-    context = int(statistics.mean(len(p) for p in prompts)) + max_new_tokens // 2
-    split = round_split(target, drafter, params, context, sampling)
-    report.update(round_context_len=context, **split)
-    outputs = spec_outputs
+    fields, outputs = spec_report(target, drafter, params, prompts, ar, max_new_tokens,
+                                  sampling, seed, draft or "shipped")
+    report.update(fields)
   if compare_hf:
     import time
 
@@ -217,22 +113,14 @@ def main(argv):
   from jakiro_jax.spec.sampling import SamplingConfig
   sampling = SamplingConfig(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
   questions = read_questions(_QUESTIONS.value, _MAX_QUESTIONS.value)
-  from jakiro_jax.spec.tree import TreeConfig
-  options = {}
-  if _METHOD.value == "gumiho":
-    tree_cfg = dict(_CONFIG.value.gumiho)
-    options = {k: tree_cfg.pop(k) for k in ("mlp_num", "mlp_topk", "pruning")}
-    options["fta"] = _FTA.value
-  elif _FTA.value:
-    raise app.UsageError("--fta applies to --method=gumiho only")
-  else:
-    tree_cfg = dict(_CONFIG.value.tree)
-  for key, flag in (("top_k", _TOP_K_TREE), ("depth", _DEPTH), ("total_tokens", _TOTAL)):
-    if flag.value is not None:
-      tree_cfg[key] = flag.value
+  try:
+    tree, options = tree_and_options(_CONFIG.value, _METHOD.value, _FTA.value,
+                                     top_k=_TOP_K_TREE.value, depth=_DEPTH.value,
+                                     total_tokens=_TOTAL.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   report = run(_CONFIG.value, _METHOD.value, questions, _MAX_NEW.value, sampling,
-               _SEED.value, _COMPARE_HF.value, _SHOW.value, _DRAFT.value,
-               TreeConfig(**tree_cfg), options)
+               _SEED.value, _COMPARE_HF.value, _SHOW.value, _DRAFT.value, tree, options)
   text = json.dumps(report, indent=2)
   print(text)
   if _JSON_OUT.value:

@@ -38,3 +38,15 @@ def test_load_errors(tmp_path, tiny_pair):
   (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
   with pytest.raises(ValueError, match="corrupt or missing"):
     load_draft(tmp_path, target)
+
+
+def test_load_refuses_weights_of_another_shape(tmp_path, tiny_pair):
+  _, target = tiny_pair
+  drafter = make_drafter("eagle2", target.config)
+  params = drafter.init_params(jax.random.PRNGKey(0))
+  save_draft(tmp_path, drafter, params)
+  meta = json.loads((tmp_path / "draft.json").read_text())
+  # The same weights declared as a Jakiro draft: names do not match.
+  (tmp_path / "draft.json").write_text(json.dumps(dict(meta, method="jakiro", options={})))
+  with pytest.raises(ValueError, match="does not fit a jakiro draft"):
+    load_draft(tmp_path, target)

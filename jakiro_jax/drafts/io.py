@@ -27,7 +27,7 @@ def _flatten(tree, prefix=""):
     if isinstance(value, dict):
       out.update(_flatten(value, path + "/"))
     else:
-      out[path] = np.asarray(value)
+      out[path] = value if isinstance(value, jax.ShapeDtypeStruct) else np.asarray(value)
   return out
 
 
@@ -83,5 +83,11 @@ def load_draft(source, target, tree: TreeConfig | None = None):
   except (SafetensorError, OSError) as e:
     raise ValueError(f"cannot read {source}/model.safetensors (corrupt or missing?): {e}") \
         from None
+  expected = _flatten(jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0)))
+  wrong = sorted(set(expected) ^ set(flat)) + sorted(
+      k for k in set(expected) & set(flat) if tuple(expected[k].shape) != flat[k].shape)
+  if wrong:
+    raise ValueError(f"draft {source} does not fit a {meta['method']} draft of this target: "
+                     f"missing, unexpected or mis-shaped parameters {wrong[:8]}")
   params = jax.tree.map(lambda a: jax.numpy.asarray(a, target.config.dtype), _unflatten(flat))
   return drafter, params

@@ -1,0 +1,172 @@
+"""Benchmark building blocks shared by `launch.bench`, `launch.eval_suite` and
+`launch.generate`: question files, draft resolution, timed AR and speculative runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+
+def read_questions(path: str, limit: int) -> list[str]:
+  """First user turns of a FastChat question file."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"questions file {path} does not exist")
+  turns = []
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+        turns.append(record["turns"][0])
+      except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+        raise ValueError(f"{path}:{n} is not a FastChat question "
+                         f"(a JSON object with a 'turns' list)") from None
+      if len(turns) == limit:
+        break
+  if not turns:
+    raise ValueError(f"{path} holds no questions")
+  return turns
+
+
+def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
+                  options: dict | None = None):
+  """(drafter, params) from a directory, a shipped name, 'random' or the shipped default."""
+  import jax
+
+  from jakiro_jax.drafts import make_drafter
+  from jakiro_jax.drafts.io import SHIPPED_DRAFTS, load_draft
+
+  if draft == "random":
+    drafter = make_drafter(method, target.config, tree, **(options or {}))
+    return drafter, drafter.init_params(jax.random.PRNGKey(seed))
+  if draft is None:
+    name = f"{target.name}-{method}"
+    if name not in SHIPPED_DRAFTS:
+      raise ValueError(f"no trained {method} draft ships for target {target.name!r} yet; "
+                       f"pass --draft=DIR, or --draft=random for an untrained (lossless, "
+                       f"slow) draft")
+    draft = name
+  drafter, params = load_draft(draft, target, tree)
+  if options and "fta" in options:
+    drafter = dataclasses.replace(drafter, fta=options["fta"])
+  if drafter.name != method:
+    raise ValueError(f"draft {draft} is a {drafter.name} draft, not {method}")
+  return drafter, params
+
+
+def _timed_runs(prompts, generate_fn, desc):
+  """Warm-up compile per prompt bucket (untimed), then one timed run per prompt."""
+  from tqdm import tqdm
+
+  from jakiro_jax.spec.batching import prompt_bucket
+
+  warmed = set()
+  for prompt in prompts:
+    if prompt_bucket(len(prompt)) not in warmed:
+      generate_fn(prompt, 0)
+      warmed.add(prompt_bucket(len(prompt)))
+  return [generate_fn(p, i) for i, p in enumerate(tqdm(prompts, desc=desc, file=sys.stderr))]
+
+
+def ar_baseline(target, prompts, max_new_tokens: int, sampling, seed: int) -> dict:
+  """Our AR loop on each prompt (batch 1, timed after a warm-up): outputs and rates."""
+  from jakiro_jax.spec.autoregressive import generate_ar
+
+  runs = _timed_runs(
+      prompts, lambda p, i: generate_ar(target, [p], max_new_tokens, sampling, seed=seed + i),
+      "ar")
+  outputs = [r.tokens[0] for r in runs]
+  seconds = [r.seconds for r in runs]
+  tokens = sum(len(o) for o in outputs)
+  return {"outputs": outputs, "seconds": seconds, "ar_new_tokens": tokens,
+          "ar_tokens_per_s": tokens / sum(seconds),
+          "ar_median_tokens_per_s": statistics.median(
+              len(o) / s for o, s in zip(outputs, seconds))}
+
+
+def spec_report(target, drafter, params, prompts, ar: dict, max_new_tokens: int, sampling,
+                seed: int, draft_name: str) -> tuple[dict, list]:
+  """Speculative generation on the prompts against the AR baseline `ar` of the same run:
+  (report fields, outputs). `accept_counts[j]` counts rounds that accepted j drafted
+  tokens, from which alpha_k per depth follows."""
+  from jakiro_jax.spec.generate import generate
+  from jakiro_jax.spec.round_timing import round_split
+
+  tree = drafter.tree
+  runs = _timed_runs(
+      prompts, lambda p, i: generate(target, drafter, params, [p], max_new_tokens, sampling,
+                                     seed=seed + i), drafter.name)
+  outputs = [r.tokens[0] for r in runs]
+  seconds = [r.seconds for r in runs]
+  new_tokens = sum(len(o) for o in outputs)
+  accepts = [a for r in runs for a in r.accept_lens[0]]
+  report = dict(
+      draft=draft_name, fta=bool(getattr(drafter, "fta", False)),
+      top_k_tree=tree.top_k, depth=tree.depth, total_tokens=tree.total_tokens,
+      new_tokens=new_tokens, seconds=sum(seconds), tokens_per_s=new_tokens / sum(seconds),
+      median_tokens_per_s=statistics.median(len(o) / s for o, s in zip(outputs, seconds)),
+      rounds=len(accepts), tau=1.0 + sum(accepts) / max(len(accepts), 1),
+      accept_counts=[accepts.count(j) for j in range(max(tree.max_path, max(accepts, default=0) + 1))],
+      speedup=(new_tokens / sum(seconds)) / ar["ar_tokens_per_s"],
+      median_speedup=statistics.median(
+          (len(o) / s) / (len(a) / t) for o, s, a, t in
+          zip(outputs, seconds, ar["outputs"], ar["seconds"])),
+      greedy_mismatches=(sum(a != b for a, b in zip(outputs, ar["outputs"]))
+                         if sampling.greedy else None),
+      draft_forwards_per_round=drafter.draft_forwards_per_round())
+  context = int(statistics.mean(len(p) for p in prompts)) + max_new_tokens // 2
+  report.update(round_context_len=context,
+                **round_split(target, drafter, params, context, sampling))
+  return report, outputs
+
+
+def base_report(method: str, target, prompts, max_new_tokens: int, sampling, ar: dict) -> dict:
+  return {"method": method, "target": target.name, "temperature": sampling.temperature,
+          "top_p": sampling.top_p, "top_k": sampling.top_k, "n_questions": len(prompts),
+          "max_new_tokens": max_new_tokens,
+          **{k: v for k, v in ar.items() if k not in ("outputs", "seconds")}}
+
+
+def tree_and_options(config, method: str, fta: bool = False, **overrides):
+  """The tree and drafter options of `method` from the config (Gumiho has its own block)."""
+  from jakiro_jax.spec.tree import TreeConfig
+
+  options = {}
+  if method == "gumiho":
+    tree_cfg = dict(config.gumiho)
+    options = {k: tree_cfg.pop(k) for k in ("mlp_num", "mlp_topk", "pruning")}
+    options["fta"] = fta
+  elif fta:
+    raise ValueError("fta applies to method gumiho only")
+  else:
+    tree_cfg = dict(config.tree)
+  tree_cfg.update({k: v for k, v in overrides.items() if v is not None})
+  return TreeConfig(**tree_cfg), options
+
+
+def load_results(out_dir: str) -> list[dict]:
+  """Every result JSON in `out_dir`, each with its `category`."""
+  results = []
+  for name in sorted(os.listdir(out_dir)):
+    if name.endswith(".json"):
+      with open(os.path.join(out_dir, name)) as f:
+        results.append(json.load(f))
+  return results
+
+
+def summary_table(results: list[dict]) -> str:
+  """Markdown: one row per (category, temperature, method)."""
+  lines = ["| category | T | method | tau | tokens/s | AR tokens/s | speedup | "
+           "greedy mismatches | draft forwards/round |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in sorted(results, key=lambda r: (r["temperature"], r["category"], r["method"])):
+    mismatches = ("-" if r.get("greedy_mismatches") is None
+                  else f"{r['greedy_mismatches']}/{r['n_questions']}")
+    lines.append(f"| {r['category']} | {r['temperature']:g} | {r['method']} | "
+                 f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['ar_tokens_per_s']:.1f} | "
+                 f"{r['speedup']:.2f}x | {mismatches} | {r['draft_forwards_per_round']} |")
+  return "\n".join(lines) + "\n"

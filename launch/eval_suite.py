@@ -1,0 +1,101 @@
+"""Benchmark several methods on several question files against one AR baseline each.
+
+  python -m launch.eval_suite --config=configs/smollm2_135m.py \
+      --questions=../shared/data/eval/gsm8k.jsonl,../shared/data/eval/alpaca.jsonl \
+      --methods=eagle2,jakiro,gumiho --temperatures=0,1 --max_questions=10 \
+      --max_new_tokens=128 --out=results/smollm2
+
+For each (file, temperature) our AR loop runs once and every method is measured against
+it in the same process, so the speedups of one table share their baseline. Each result is
+written as `OUT/<category>_T<temperature>_<method>.json` in `launch.bench`'s format (an
+existing file is kept: a rerun continues where a previous one stopped), and
+`OUT/summary.md` tabulates them. `python -m launch.plot_results --results=OUT` draws them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
+                                          "Experiment config file.", lock_config=True)
+_QUESTIONS = flags.DEFINE_list("questions", None, "FastChat .jsonl files (one category each).")
+_METHODS = flags.DEFINE_list("methods", ["eagle2", "jakiro", "gumiho"],
+                             "Speculative methods, each with the draft shipped for the target "
+                             "unless --drafts names one.")
+_DRAFTS = flags.DEFINE_list("drafts", None, "Draft per method (directory, shipped name or "
+                            "'random'), in --methods order.")
+_TEMPERATURES = flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures.")
+_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 10, "First N questions of each file.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per question.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_OUT = flags.DEFINE_string("out", None, "Output directory of the JSON results.")
+flags.mark_flags_as_required(["questions", "out"])
+
+
+def result_path(out_dir: str, category: str, temperature: float, method: str) -> str:
+  return os.path.join(out_dir, f"{category}_T{temperature:g}_{method}.json")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from jakiro_jax.spec.benchmark import (ar_baseline, base_report, load_results,
+                                        read_questions, resolve_draft, spec_report,
+                                        summary_table, tree_and_options)
+  from jakiro_jax.spec.sampling import SamplingConfig
+  from jakiro_jax.target import load_target
+
+  config = _CONFIG.value
+  methods = _METHODS.value
+  drafts = _DRAFTS.value or [None] * len(methods)
+  if len(drafts) != len(methods):
+    raise app.UsageError(f"--drafts names {len(drafts)} drafts for {len(methods)} methods")
+  try:
+    temperatures = [float(t) for t in _TEMPERATURES.value]
+  except ValueError:
+    raise app.UsageError(f"--temperatures must be numbers, got {_TEMPERATURES.value}") from None
+  questions = {os.path.splitext(os.path.basename(p))[0]: read_questions(p, _MAX_QUESTIONS.value)
+               for p in _QUESTIONS.value}
+  os.makedirs(_OUT.value, exist_ok=True)
+  target = load_target(config.target, dtype=config.dtype)
+  loaded = {}  # method -> (drafter, params); a missing draft fails before any timing
+  for method, draft in zip(methods, drafts):
+    tree, options = tree_and_options(config, method)
+    loaded[method] = resolve_draft(target, method, draft, tree, _SEED.value, options)
+  for temperature in temperatures:
+    sampling = SamplingConfig(temperature=temperature)
+    for category, turns in questions.items():
+      todo = [m for m in methods
+              if not os.path.exists(result_path(_OUT.value, category, temperature, m))]
+      if not todo:
+        continue
+      print(f"{category} T={temperature:g}: {len(turns)} questions, {', '.join(todo)}",
+            file=sys.stderr)
+      prompts = [target.chat_prompt(q, config.system_prompt or None) for q in turns]
+      ar = ar_baseline(target, prompts, _MAX_NEW.value, sampling, _SEED.value)
+      for method in todo:
+        drafter, params = loaded[method]
+        fields, _ = spec_report(target, drafter, params, prompts, ar, _MAX_NEW.value,
+                                sampling, _SEED.value,
+                                drafts[methods.index(method)] or "shipped")
+        report = dict(base_report(method, target, prompts, _MAX_NEW.value, sampling, ar),
+                      category=category, **fields)
+        path = result_path(_OUT.value, category, temperature, method)
+        with open(path + ".tmp", "w") as f:
+          json.dump(report, f, indent=2)
+        os.replace(path + ".tmp", path)
+        print(f"  {method}: tau {report['tau']:.2f}, {report['tokens_per_s']:.1f} tokens/s, "
+              f"speedup {report['speedup']:.2f}x", file=sys.stderr)
+  table = summary_table([r for r in load_results(_OUT.value) if "category" in r])
+  with open(os.path.join(_OUT.value, "summary.md"), "w") as f:
+    f.write(table)
+  print(table)
+
+
+if __name__ == "__main__":
+  app.run(main)
