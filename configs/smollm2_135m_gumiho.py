@@ -29,6 +29,7 @@ def get_config():
   c.loss.update(v_weight=1.0, p_weight=0.1, mlp_v_weight=1.0, mlp_p_weight=0.1,
                 mlp_p_start_epoch=2, mlp_loss_weight=9.0, mlp_decay=0.8)
   c.vocab_subset = 8192  # CPU budget: CE over the 8192 most frequent target tokens
+  c.draft_vocab = True  # the shipped draft drafts from those tokens (fewer head rows)
   c.save_every = 500
   c.eval_every = 500  # ~4 s per batch of 4 validation rows on CPU
   c.eval_rows = 16

@@ -23,6 +23,7 @@ def get_config():
   c.clip_mode, c.clip = "value", 0.5  # spec: clip_grad_value_(0.5)
   c.loss.update(v_weight=1.0, p_weight=0.1, contrast_weight=0.5)  # spec
   c.vocab_subset = 8192  # CPU budget: CE over the 8192 most frequent target tokens
+  c.draft_vocab = True  # the shipped draft drafts from those tokens (fewer head rows)
   c.save_every = 500
   c.eval_every = 500  # ~4 s per batch of 4 validation rows on CPU
   c.eval_rows = 16

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import random
 import signal
@@ -476,6 +477,9 @@ def test_sigkill_then_resume_is_bit_identical(tiny_target, feature_set, tmp_path
   from jakiro_jax.train.vocab_subset import load_subset
   np.testing.assert_array_equal(load_subset(out), load_subset(tmp_path / "whole"))
   assert len(load_subset(out)) == 16
+  # config.draft_vocab: the final draft drafts from the training subset.
+  saved = json.loads((out / "draft" / "draft.json").read_text())
+  assert saved["options"]["draft_vocab"] == [int(i) for i in load_subset(out)]
   for final in (resumed.params, restore_params(out / "checkpoints")):
     assert jax.tree.structure(final) == jax.tree.structure(reference.params)
     for got, want in zip(jax.tree.leaves(final), jax.tree.leaves(reference.params)):

@@ -16,4 +16,15 @@ def make_drafter(method: str, target_config: LlamaConfig, tree: TreeConfig = Tre
                  **options):
   if method not in DRAFTERS:
     raise ValueError(f"unknown draft method {method!r}; available: {sorted(DRAFTERS)}")
+  vocab = options.get("draft_vocab")
+  if vocab:
+    vocab = tuple(int(i) for i in vocab)
+    if (list(vocab) != sorted(set(vocab)) or vocab[0] < 0
+        or vocab[-1] >= target_config.vocab_size):
+      raise ValueError(f"draft_vocab must be ascending distinct token ids in "
+                       f"[0, {target_config.vocab_size}); got {len(vocab)} ids from "
+                       f"{min(vocab)} to {max(vocab)}")
+    if len(vocab) < tree.top_k:
+      raise ValueError(f"draft_vocab holds {len(vocab)} tokens, fewer than top_k={tree.top_k}")
+    options = dict(options, draft_vocab=vocab)
   return DRAFTERS[method](target_config, tree, **options)

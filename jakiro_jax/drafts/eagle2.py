@@ -60,6 +60,10 @@ class Eagle2Drafter:
   target_config: LlamaConfig
   tree: TreeConfig = TreeConfig()
   fc_bias: bool = True
+  # Drafting only: candidates are drawn from these token ids (ascending), so each draft
+  # forward multiplies by K rows of the lm_head instead of V. Still lossless (verification
+  # never trusts the draft); () = the full vocabulary.
+  draft_vocab: tuple[int, ...] = ()
   name: str = "eagle2"
 
   @property
@@ -70,11 +74,15 @@ class Eagle2Drafter:
     return Eagle2Draft(self.layer_config, self.fc_bias)
 
   def init_params(self, rng: jax.Array):
+    return nn.unbox(self.init_boxed(rng))
+
+  def init_boxed(self, rng: jax.Array):
+    """The params with their logical-axis boxes (`jakiro_jax.sharding` reads them)."""
     cfg = self.layer_config
     cache = self.new_cache(1, 2)
     x = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
     pos = jnp.zeros((1, 1), jnp.int32)
-    return nn.unbox(self.module().init(rng, x, x, pos, cache, jnp.ones((1, 1, 2), bool)))
+    return self.module().init(rng, x, x, pos, cache, jnp.ones((1, 1, 2), bool))
 
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     cfg = self.layer_config
@@ -112,6 +120,19 @@ class Eagle2Drafter:
     return accept(tree, logits, sampling, rng, self.tree.max_path)
 
   def log_probs(self, target_params, hidden):
-    """Draft log-probs through the target's lm_head: `[..., D]` -> `[..., V]`."""
-    logits = Llama(self.target_config).apply(target_params, hidden, method=Llama.logits)
-    return jax.nn.log_softmax(logits, axis=-1)
+    """Draft log-probs through the target's lm_head: `[..., D]` -> `[..., V]`.
+
+    With a draft vocabulary the softmax runs over its K tokens and every other token gets
+    a large negative score, so top-k never picks it.
+    """
+    if not self.draft_vocab:
+      logits = Llama(self.target_config).apply(target_params, hidden, method=Llama.logits)
+      return jax.nn.log_softmax(logits, axis=-1)
+    params = target_params["params"]
+    head = (params["embed_tokens"]["embedding"] if self.target_config.tie_word_embeddings
+            else params["lm_head"])
+    ids = jnp.asarray(self.draft_vocab, jnp.int32)
+    logp = jax.nn.log_softmax(
+        jnp.einsum("...D,KD->...K", hidden, head[ids]).astype(jnp.float32), axis=-1)
+    full = jnp.full(hidden.shape[:-1] + (self.target_config.vocab_size,), -1e30, jnp.float32)
+    return full.at[..., ids].set(logp)

@@ -77,7 +77,9 @@ def load_draft(source, target, tree: TreeConfig | None = None):
       raise ValueError(f"draft {source} was built for {field}={meta.get(field)}, "
                        f"the target has {ours}")
   tree = tree or TreeConfig(**meta.get("tree", {}))
-  drafter = make_drafter(meta["method"], target.config, tree, **meta.get("options", {}))
+  options = {k: tuple(v) if isinstance(v, list) else v  # JSON lists back to hashable tuples
+             for k, v in meta.get("options", {}).items()}
+  drafter = make_drafter(meta["method"], target.config, tree, **options)
   try:
     flat = load_file(os.path.join(source, "model.safetensors"))
   except (SafetensorError, OSError) as e:

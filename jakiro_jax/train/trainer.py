@@ -46,7 +46,7 @@ class TrainInputError(ValueError):
 
 # Config keys that may change when resuming (cadence of side effects, not the maths).
 RESUMABLE_CHANGES = ("log_every", "eval_every", "eval_rows", "save_every",
-                     "keep_checkpoints", "progress", "tensorboard")
+                     "keep_checkpoints", "progress", "tensorboard", "draft_vocab")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -66,6 +66,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.noise = True  # EAGLE's uniform noise on the input features (train only)
   c.noise_std = 0.2
   c.vocab_subset = 0  # K > 0: losses over the K most frequent target tokens (CPU budget)
+  c.draft_vocab = False  # True (with vocab_subset): the final draft drafts from that subset
   # Optimisation: AdamW, linear warm-up then cosine decay, clipping.
   c.lr = 3e-4
   c.warmup_steps = 100
@@ -505,5 +506,7 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
       logs.close()
     checkpoints.close()
   params = jax.device_get(state["params"])
+  if config.draft_vocab and subset is not None:  # cheaper draft forwards, still lossless
+    drafter = dataclasses.replace(drafter, draft_vocab=tuple(int(i) for i in subset))
   save_draft(os.path.join(out_dir, "draft"), drafter, params, dtype="float16")
   return TrainResult(params=params, step=step, history=history, evals=evals, out_dir=out_dir)

@@ -1,0 +1,69 @@
+"""Drafting from a token subset (`draft_vocab`): lossless, candidates inside it, saved."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_prompts, tiny_hf_model
+from jakiro_jax.drafts import make_drafter
+from jakiro_jax.drafts.io import load_draft, save_draft
+from jakiro_jax.spec.autoregressive import generate_ar
+from jakiro_jax.spec.generate import draft_tree, generate
+from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.target import target_from_torch
+
+VOCAB = tuple(range(3, 97, 3))  # 32 of the tiny model's 97 tokens
+CASES = [("eagle2", TreeConfig(top_k=3, depth=3, total_tokens=10), {}),
+         ("jakiro", TreeConfig(top_k=3, depth=3, total_tokens=10), {}),
+         ("gumiho", TreeConfig(top_k=3, depth=4, total_tokens=12),
+          dict(mlp_num=2, mlp_topk=3, pruning=4))]
+
+
+@pytest.fixture(scope="module")
+def target():
+  return dataclasses.replace(target_from_torch(tiny_hf_model(seed=3)), stop_ids=())
+
+
+def test_log_probs_are_the_full_head_renormalised_over_the_subset(target):
+  full = make_drafter("eagle2", target.config)
+  cut = make_drafter("eagle2", target.config, draft_vocab=VOCAB)
+  hidden = jax.random.normal(jax.random.PRNGKey(0), (2, 5, target.config.hidden_size))
+  ids = np.asarray(VOCAB)
+  want = jax.nn.log_softmax(full.log_probs(target.params, hidden)[..., ids], axis=-1)
+  got = cut.log_probs(target.params, hidden)
+  np.testing.assert_allclose(got[..., ids], want, atol=1e-5)
+  outside = np.setdiff1d(np.arange(target.config.vocab_size), ids)
+  assert float(got[..., outside].max()) < -1e29
+
+
+@pytest.mark.parametrize("method,tree,options", CASES)
+def test_greedy_stays_lossless_and_drafts_only_subset_tokens(target, method, tree, options):
+  drafter = make_drafter(method, target.config, tree, draft_vocab=VOCAB, **options)
+  params = drafter.init_params(jax.random.PRNGKey(1))
+  prompts = random_prompts(np.random.RandomState(0), 97, [9, 4])
+  spec = generate(target, drafter, params, prompts, max_new_tokens=20)
+  assert spec.tokens == generate_ar(target, prompts, max_new_tokens=20).tokens
+  batch, ctx = 2, 6
+  cache = drafter.new_cache(batch, 64).replace(lengths=jnp.full((batch,), ctx))
+  hidden = jax.random.normal(jax.random.PRNGKey(3), (batch, target.config.hidden_size))
+  tree, _ = draft_tree(drafter, params, target.params, hidden, jnp.array([1, 2]), cache)
+  assert np.isin(np.asarray(tree.tokens)[:, 1:], VOCAB).all()  # the root is not drafted
+
+
+def test_draft_vocab_survives_save_and_load(tmp_path, target):
+  drafter = make_drafter("eagle2", target.config, draft_vocab=VOCAB)
+  save_draft(tmp_path, drafter, drafter.init_params(jax.random.PRNGKey(0)))
+  loaded, _ = load_draft(tmp_path, target)
+  assert loaded.draft_vocab == VOCAB and loaded == drafter
+
+
+@pytest.mark.parametrize("vocab,message", [
+    ((5, 3, 9), "ascending distinct"), ((3, 3, 9), "ascending distinct"),
+    ((1, 2, 97), r"\[0, 97\)"), ((1, 2), "fewer than top_k")])
+def test_bad_draft_vocab_is_refused(target, vocab, message):
+  with pytest.raises(ValueError, match=message):
+    make_drafter("eagle2", target.config, TreeConfig(top_k=3, depth=2, total_tokens=6),
+                 draft_vocab=vocab)
