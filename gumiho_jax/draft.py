@@ -123,13 +123,13 @@ class GumihoDrafter(Eagle2Drafter):
   def module(self) -> GumihoDraft:
     return GumihoDraft(self.layer_config, self.mlp_num, self.fc_bias)
 
-  def init_params(self, rng):
+  def init_boxed(self, rng):
     cfg = self.layer_config
     cache = self.new_cache(1, 2)
     x = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
     pos = jnp.zeros((1, 1), jnp.int32)
-    return nn.unbox(self.module().init(rng, x, x, pos, cache, jnp.ones((1, 1, 2), bool),
-                                       method=GumihoDraft.init_all))
+    return self.module().init(rng, x, x, pos, cache, jnp.ones((1, 1, 2), bool),
+                              method=GumihoDraft.init_all)
 
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     cfg = self.layer_config

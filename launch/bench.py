@@ -15,6 +15,11 @@ tau (mean tokens per verification forward, bonus included), rounds, ar_tokens_pe
 speedup (tokens/s ratio) and greedy_mismatches (questions whose tokens differ from AR's at
 T=0), plus draft_forwards_per_round and draft_time_share (drafting vs verification, timed
 as separate jitted parts at the mean context length, see `spec/round_timing.py`).
+
+`--mesh=DATA,FSDP,TENSOR` (e.g. `--mesh=2,2,2`, -1 = the rest of the devices) shards the
+target and draft weights and the caches over a device mesh (`jakiro_jax/sharding.py`);
+the loops stay one jit each. On several hosts (launch/tpu_pod.py) every process runs the
+same command and only process 0 prints and writes the report.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import statistics
 import sys
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -53,20 +59,25 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the report here.")
 _COMPARE_HF = flags.DEFINE_bool("compare_hf", False,
                                 "Also time transformers generate and count greedy mismatches.")
 _SHOW = flags.DEFINE_integer("show", 1, "Print this many decoded answers.")
+_MESH = flags.DEFINE_string("mesh", None, "Device mesh DATA,FSDP,TENSOR, e.g. 2,2,2 "
+                            "(-1 = the rest of the devices). Default: one device.")
 
 
 def run(config, method: str, questions: list[str], max_new_tokens: int, sampling, seed: int,
         compare_hf: bool, show: int = 0, draft: str | None = None, tree=None,
-        draft_options: dict | None = None) -> dict:
+        draft_options: dict | None = None, mesh=None) -> dict:
   from jakiro_jax.spec.tree import TreeConfig
   from jakiro_jax.target import load_target
 
   target = load_target(config.target, dtype=config.dtype)
+  if mesh is not None:
+    from jakiro_jax.sharding import shard_target
+    target = shard_target(target, mesh)  # placed once for every run below
   prompts = [target.chat_prompt(q, config.system_prompt or None) for q in questions]
   if method != "ar":  # resolve the draft first: a missing draft fails before any work
     tree = tree or TreeConfig(**config.tree)
     drafter, params = resolve_draft(target, method, draft, tree, seed, draft_options or {})
-  ar = ar_baseline(target, prompts, max_new_tokens, sampling, seed)
+  ar = ar_baseline(target, prompts, max_new_tokens, sampling, seed, mesh=mesh)
   report = base_report(method, target, prompts, max_new_tokens, sampling, ar)
   outputs = ar["outputs"]
   if method == "ar":
@@ -75,7 +86,7 @@ def run(config, method: str, questions: list[str], max_new_tokens: int, sampling
                   median_tokens_per_s=report["ar_median_tokens_per_s"])
   else:
     fields, outputs = spec_report(target, drafter, params, prompts, ar, max_new_tokens,
-                                  sampling, seed, draft or "shipped")
+                                  sampling, seed, draft or "shipped", mesh=mesh)
     report.update(fields)
   if compare_hf:
     import time
@@ -110,7 +121,15 @@ def main(argv):
     raise app.UsageError("--config is required, e.g. --config=configs/smollm2_135m.py")
   if not _QUESTIONS.value:
     raise app.UsageError("--questions is required (a FastChat .jsonl file)")
+  from jakiro_jax import sharding
   from jakiro_jax.spec.sampling import SamplingConfig
+  sharding.initialize_distributed()  # several hosts: before any other JAX call
+  mesh = None
+  if _MESH.value:
+    try:
+      mesh = sharding.make_mesh(sharding.parse_mesh_flag(_MESH.value))
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
   sampling = SamplingConfig(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
   questions = read_questions(_QUESTIONS.value, _MAX_QUESTIONS.value)
   try:
@@ -120,7 +139,12 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   report = run(_CONFIG.value, _METHOD.value, questions, _MAX_NEW.value, sampling,
-               _SEED.value, _COMPARE_HF.value, _SHOW.value, _DRAFT.value, tree, options)
+               _SEED.value, _COMPARE_HF.value, _SHOW.value, _DRAFT.value, tree, options,
+               mesh)
+  if mesh is not None:
+    report["mesh"] = dict(mesh.shape)
+  if jax.process_index() != 0:  # one report for all hosts
+    return
   text = json.dumps(report, indent=2)
   print(text)
   if _JSON_OUT.value:

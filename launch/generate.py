@@ -33,6 +33,23 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 
 
+def default_method(config, target_name: str, draft: str | None) -> str:
+  """The config's default_method, else the first method with a draft shipped for the
+  target, else the AR loop (said on stderr)."""
+  from jakiro_jax.drafts.io import SHIPPED_DRAFTS
+  if config.get("default_method"):
+    return config.default_method
+  if draft is not None:
+    raise app.UsageError("--draft needs --method (eagle2, jakiro or gumiho)")
+  for method in ("jakiro", "gumiho", "eagle2"):
+    if f"{target_name}-{method}" in SHIPPED_DRAFTS:
+      return method
+  print(f"no trained draft ships for target {target_name!r} yet: running the "
+        f"autoregressive loop (tau and speedup need a draft; pass --method and --draft=DIR)",
+        file=sys.stderr)
+  return "ar"
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -43,10 +60,10 @@ def main(argv):
   from jakiro_jax.spec.benchmark import resolve_draft, tree_and_options
 
   config = _CONFIG.value
-  method = _METHOD.value or config.get("default_method", "ar")
   sampling = SamplingConfig(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
   print(f"loading target {config.target} ({config.dtype}) ...", file=sys.stderr)
   target = load_target(config.target, dtype=config.dtype)
+  method = _METHOD.value or default_method(config, target.name, _DRAFT.value)
   drafter = None
   if method != "ar":
     tree, options = tree_and_options(config, method)

@@ -6,6 +6,7 @@
       --data=data/smollm2_selfdistill --out=runs/smollm2_eagle2
 
 Any config value can be overridden, e.g. `--config.batch_size=8 --config.online=True`.
+Device mesh: `--config.mesh_data=-1 --config.mesh_fsdp=4 --config.mesh_tensor=1`.
 A run writes orbax checkpoints every `save_every` steps; rerun the same command with
 --resume after an interruption to continue it exactly. The final draft lands in
 OUT/draft (`jakiro_jax.drafts.io.load_draft`, `launch.bench --draft=OUT/draft`).
@@ -33,7 +34,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
     logging.set_verbosity(logging.WARNING)
+  from jakiro_jax.sharding import initialize_distributed
   from jakiro_jax.train.trainer import TrainInputError, train
+
+  initialize_distributed()  # several hosts (launch/tpu_pod.py): before any other JAX call
 
   try:
     result = train(_CONFIG.value, _DATA.value, _OUT.value, resume=_RESUME.value,

@@ -98,3 +98,13 @@ def test_missing_shipped_draft_says_so(smollm2, monkeypatch):
   monkeypatch.setattr(io, "SHIPPED_DRAFTS", {})
   with pytest.raises(ValueError, match="no trained eagle2 draft ships for target 'smollm2'"):
     resolve_draft(smollm2, "eagle2", None, TreeConfig())
+
+
+def test_generate_cli_with_a_draft_reports_tau_and_speedup(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.generate", f"--config={CONFIG}", "--method=eagle2",
+       "--draft=random", "--prompt=Hi", "--max_new_tokens=6"],
+      capture_output=True, text=True, cwd=REPO, check=True)
+  last = proc.stdout.strip().splitlines()[-1]
+  assert last.startswith("method=eagle2 target=smollm2 tokens/s=")
+  assert " tau=" in last and " speedup=" in last

@@ -61,10 +61,10 @@ def prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
   return logits, features, cache.replace(lengths=prompt_lengths)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("config", "max_new_tokens", "sampling", "stop_ids", "pad_id"),
-    donate_argnames=("cache",))
-def ar_generate_jit(params, prompt: jax.Array, prompt_lengths: jax.Array,
+AR_STATIC_ARGS = ("config", "max_new_tokens", "sampling", "stop_ids", "pad_id")
+
+
+def _ar_loop(params, prompt: jax.Array, prompt_lengths: jax.Array,
                     budgets: jax.Array, rng: jax.Array, cache: KVCache, *,
                     config: LlamaConfig, max_new_tokens: int, sampling: SamplingConfig,
                     stop_ids: tuple[int, ...], pad_id: int):
@@ -106,6 +106,21 @@ def ar_generate_jit(params, prompt: jax.Array, prompt_lengths: jax.Array,
   return jax.lax.while_loop(cond, body, state)
 
 
+ar_generate_jit = jax.jit(_ar_loop, static_argnames=AR_STATIC_ARGS, donate_argnames=("cache",))
+
+
+def ar_shardings(params_shardings, cache_shardings, batch: int, mesh):
+  """(in_shardings, out_shardings) of `_ar_loop` on a mesh: params as given, prompts and
+  per-row state over the batch axes, the cache in and out alike (so donation reuses it)."""
+  from jakiro_jax import sharding
+  rows = sharding.batch_sharding((batch,), mesh)
+  scalar = sharding.replicated(mesh)
+  in_shardings = (params_shardings, rows, rows, rows, scalar, cache_shardings)
+  out_shardings = ARState(step=scalar, last_token=rows, tokens=rows, num_generated=rows,
+                          done=rows, cache=cache_shardings)
+  return in_shardings, out_shardings
+
+
 @dataclasses.dataclass
 class GenerationOutput:
   """Generated tokens per row (stop token included when hit) and timing."""
@@ -125,16 +140,35 @@ class GenerationOutput:
 def generate_ar(target, prompts: Sequence[Sequence[int]],
                 max_new_tokens: int | Sequence[int] = 128,
                 sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
-                max_len: int | None = None) -> GenerationOutput:
-  """Autoregressive generation for a batch of token-id prompts of any lengths."""
+                max_len: int | None = None, mesh=None) -> GenerationOutput:
+  """Autoregressive generation for a batch of token-id prompts of any lengths.
+
+  With a `mesh` (`jakiro_jax.sharding.make_mesh`) the same loop runs as one jit with the
+  target's weights, the prompts and the cache sharded by the logical-axis rules;
+  `shard_target` places the weights once beforehand (else each call moves them).
+  """
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len)
-  cache = new_cache(target.config, len(batch.lengths), batch.max_len)
+  size = len(batch.lengths)
+  static = dict(config=target.config, max_new_tokens=int(batch.budgets.max()),
+                sampling=sampling, stop_ids=tuple(target.stop_ids), pad_id=0)
+  inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+            jnp.asarray(batch.budgets), jax.random.PRNGKey(seed))
+  if mesh is None:
+    run, params = functools.partial(ar_generate_jit, **static), target.params
+    cache = new_cache(target.config, size, batch.max_len)
+  else:
+    from jakiro_jax import sharding
+    cache, cache_shardings = sharding.sharded_zeros(
+        lambda: new_cache(target.config, size, batch.max_len), mesh,
+        sharding.cache_shardings)
+    params_shardings = sharding.target_shardings(target.config, mesh)
+    in_shardings, out_shardings = ar_shardings(params_shardings, cache_shardings, size, mesh)
+    params = jax.device_put(target.params, params_shardings)
+    inputs = jax.device_put(inputs, in_shardings[1:5])
+    run = sharding.jit_with_shardings(_ar_loop, static, in_shardings, out_shardings,
+                                      donate_argnums=(5,))  # the cache
   start = time.perf_counter()
-  state = ar_generate_jit(
-      target.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
-      jnp.asarray(batch.budgets), jax.random.PRNGKey(seed), cache,
-      config=target.config, max_new_tokens=int(batch.budgets.max()), sampling=sampling,
-      stop_ids=tuple(target.stop_ids), pad_id=0)
+  state = run(params, *inputs, cache)
   tokens, counts, steps = jax.device_get((state.tokens, state.num_generated, state.step))
   seconds = time.perf_counter() - start
   return GenerationOutput([list(map(int, t[:n])) for t, n in zip(tokens, counts)],

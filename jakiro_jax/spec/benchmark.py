@@ -72,12 +72,15 @@ def _timed_runs(prompts, generate_fn, desc):
   return [generate_fn(p, i) for i, p in enumerate(tqdm(prompts, desc=desc, file=sys.stderr))]
 
 
-def ar_baseline(target, prompts, max_new_tokens: int, sampling, seed: int) -> dict:
-  """Our AR loop on each prompt (batch 1, timed after a warm-up): outputs and rates."""
+def ar_baseline(target, prompts, max_new_tokens: int, sampling, seed: int,
+                mesh=None) -> dict:
+  """Our AR loop on each prompt (batch 1, timed after a warm-up): outputs and rates.
+  `mesh`: run sharded over it (`jakiro_jax.sharding.make_mesh`)."""
   from jakiro_jax.spec.autoregressive import generate_ar
 
   runs = _timed_runs(
-      prompts, lambda p, i: generate_ar(target, [p], max_new_tokens, sampling, seed=seed + i),
+      prompts, lambda p, i: generate_ar(target, [p], max_new_tokens, sampling, seed=seed + i,
+                                        mesh=mesh),
       "ar")
   outputs = [r.tokens[0] for r in runs]
   seconds = [r.seconds for r in runs]
@@ -89,7 +92,7 @@ def ar_baseline(target, prompts, max_new_tokens: int, sampling, seed: int) -> di
 
 
 def spec_report(target, drafter, params, prompts, ar: dict, max_new_tokens: int, sampling,
-                seed: int, draft_name: str) -> tuple[dict, list]:
+                seed: int, draft_name: str, mesh=None) -> tuple[dict, list]:
   """Speculative generation on the prompts against the AR baseline `ar` of the same run:
   (report fields, outputs). `accept_counts[j]` counts rounds that accepted j drafted
   tokens, from which alpha_k per depth follows."""
@@ -99,7 +102,7 @@ def spec_report(target, drafter, params, prompts, ar: dict, max_new_tokens: int,
   tree = drafter.tree
   runs = _timed_runs(
       prompts, lambda p, i: generate(target, drafter, params, [p], max_new_tokens, sampling,
-                                     seed=seed + i), drafter.name)
+                                     seed=seed + i, mesh=mesh), drafter.name)
   outputs = [r.tokens[0] for r in runs]
   seconds = [r.seconds for r in runs]
   new_tokens = sum(len(o) for o in outputs)

@@ -100,11 +100,10 @@ def first_stop(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
   return jnp.where(stop.any(-1), jnp.argmax(stop, axis=-1), tokens.shape[1])
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("drafter", "max_new_tokens", "sampling", "stop_ids", "pad_id"),
-    donate_argnames=("target_cache", "draft_cache"))
-def speculative_generate_jit(target_params, draft_params, prompt, prompt_lengths, budgets,
+SPEC_STATIC_ARGS = ("drafter", "max_new_tokens", "sampling", "stop_ids", "pad_id")
+
+
+def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budgets,
                              rng, target_cache: KVCache, draft_cache: KVCache, *, drafter,
                              max_new_tokens: int, sampling: SamplingConfig,
                              stop_ids: tuple[int, ...], pad_id: int) -> SpecState:
@@ -182,6 +181,27 @@ def speculative_generate_jit(target_params, draft_params, prompt, prompt_lengths
   return jax.lax.while_loop(cond, body, state)
 
 
+speculative_generate_jit = jax.jit(_speculative_loop, static_argnames=SPEC_STATIC_ARGS,
+                                   donate_argnames=("target_cache", "draft_cache"))
+
+
+def speculative_shardings(target_shardings, draft_shardings, target_cache_shardings,
+                          draft_cache_shardings, batch: int, mesh):
+  """(in_shardings, out_shardings) of `_speculative_loop` on a mesh: weights as given,
+  prompts and per-row state over the batch axes, each cache in and out alike (so
+  donation reuses its buffers)."""
+  from jakiro_jax import sharding
+  rows = sharding.batch_sharding((batch,), mesh)
+  scalar = sharding.replicated(mesh)
+  in_shardings = (target_shardings, draft_shardings, rows, rows, rows, scalar,
+                  target_cache_shardings, draft_cache_shardings)
+  out_shardings = SpecState(
+      rounds=scalar, root=rows, draft_hidden=rows, tokens=rows, num_generated=rows,
+      done=rows, accept_lens=rows, target_cache=target_cache_shardings,
+      draft_cache=draft_cache_shardings)
+  return in_shardings, out_shardings
+
+
 @dataclasses.dataclass
 class SpecOutput:
   """Generated tokens per row and the round statistics."""
@@ -211,21 +231,46 @@ class SpecOutput:
 def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
              max_new_tokens: int | Sequence[int] = 128,
              sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
-             max_len: int | None = None) -> SpecOutput:
-  """Speculative generation for a batch of token-id prompts."""
+             max_len: int | None = None, mesh=None) -> SpecOutput:
+  """Speculative generation for a batch of token-id prompts.
+
+  With a `mesh` (`jakiro_jax.sharding.make_mesh`) the same loop runs as one jit with the
+  target's and the draft's weights, the prompts and both caches sharded by the
+  logical-axis rules (`sharding.shard_target` places the target once beforehand).
+  """
   check_draft_fits(target, drafter, draft_params)
   target_extra = drafter.tree.total_tokens
   draft_extra = drafter.extra_cache_slots()
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
                         extra_slots=max(target_extra, draft_extra))
   size = len(batch.lengths)
+  static = dict(drafter=drafter, max_new_tokens=int(batch.budgets.max()), sampling=sampling,
+                stop_ids=tuple(target.stop_ids), pad_id=0)
+  inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+            jnp.asarray(batch.budgets), jax.random.PRNGKey(seed))
+  make_target_cache = lambda: new_cache(target.config, size, batch.max_len)  # noqa: E731
+  make_draft_cache = lambda: drafter.new_cache(size, batch.max_len)  # noqa: E731
+  if mesh is None:
+    run = functools.partial(speculative_generate_jit, **static)
+    weights = (target.params, draft_params)
+    caches = (make_target_cache(), make_draft_cache())
+  else:
+    from jakiro_jax import sharding
+    target_cache, target_cache_shardings = sharding.sharded_zeros(
+        make_target_cache, mesh, sharding.cache_shardings)
+    draft_cache, draft_cache_shardings = sharding.sharded_zeros(
+        make_draft_cache, mesh, sharding.cache_shardings)
+    weight_shardings = (sharding.target_shardings(target.config, mesh),
+                        sharding.draft_shardings(drafter, draft_params, mesh))
+    in_shardings, out_shardings = speculative_shardings(
+        *weight_shardings, target_cache_shardings, draft_cache_shardings, size, mesh)
+    weights = jax.device_put((target.params, draft_params), weight_shardings)
+    inputs = jax.device_put(inputs, in_shardings[2:6])
+    caches = (target_cache, draft_cache)
+    run = sharding.jit_with_shardings(_speculative_loop, static, in_shardings,
+                                      out_shardings, donate_argnums=(6, 7))  # the caches
   start = time.perf_counter()
-  state = speculative_generate_jit(
-      target.params, draft_params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
-      jnp.asarray(batch.budgets), jax.random.PRNGKey(seed),
-      new_cache(target.config, size, batch.max_len), drafter.new_cache(size, batch.max_len),
-      drafter=drafter, max_new_tokens=int(batch.budgets.max()), sampling=sampling,
-      stop_ids=tuple(target.stop_ids), pad_id=0)
+  state = run(*weights, *inputs, *caches)
   tokens, counts, accepts = jax.device_get(
       (state.tokens, state.num_generated, state.accept_lens))
   seconds = time.perf_counter() - start

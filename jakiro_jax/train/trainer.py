@@ -14,6 +14,14 @@ Output directory:
   vocab_subset.json     the token ids of the CPU-budget head (vocab_subset > 0), for people
   metrics.jsonl, tb/    train/eval scalars (JSON lines, TensorBoard via tensorboardX)
   draft/                the final draft in our own format (`drafts.io.load_draft`)
+
+Devices: a (data, fsdp, tensor) mesh (`config.mesh_data/mesh_fsdp/mesh_tensor`, -1 = the
+rest; default all devices on `data`). The draft params, their optimizer state and the
+frozen target are placed by the one rule table of `jakiro_jax/sharding.py`; the batch is
+split over data x fsdp. Checkpoints restore onto whatever mesh the resuming run has. On
+several hosts every process runs this same function on its own rows of each batch, and
+only process 0 writes logs, config files and the exported draft (orbax coordinates the
+checkpoint writes itself).
 """
 
 from __future__ import annotations
@@ -27,14 +35,16 @@ import sys
 import time
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jakiro_jax.train.collate import pad_rows, shift_for_training, uniform_noise
+from jakiro_jax import sharding
+from jakiro_jax.train.collate import (bucket_length, pad_rows, shift_for_training,
+                                     uniform_noise)
 from jakiro_jax.train.data_order import DataOrder, split_rows
 from jakiro_jax.train.objectives import LossSettings, objective_for
 from jakiro_jax.train.vocab_subset import (frequent_tokens, head_fn_from, head_matrix,
@@ -46,7 +56,9 @@ class TrainInputError(ValueError):
 
 # Config keys that may change when resuming (cadence of side effects, not the maths).
 RESUMABLE_CHANGES = ("log_every", "eval_every", "eval_rows", "save_every",
-                     "keep_checkpoints", "progress", "tensorboard", "draft_vocab")
+                     "keep_checkpoints", "progress", "tensorboard", "draft_vocab",
+                     # the same maths on other devices: checkpoints restore onto any mesh
+                     "mesh_data", "mesh_fsdp", "mesh_tensor")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -59,7 +71,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.draft = ml_collections.ConfigDict()  # drafter options, e.g. Gumiho's mlp_num
   # Data.
   c.max_len = 1024  # rows are cut here (the original: 2048)
-  c.batch_size = 4  # global, split over the devices of the `data` mesh axis
+  c.batch_size = 4  # global, split over the data x fsdp devices of the mesh
   c.val_fraction = 0.05  # last rows by prompt order
   c.group_by_length = True
   c.online = False  # True: features from the target inside the step, not from disk
@@ -89,6 +101,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 3
   c.progress = True  # tqdm bar on stderr
   c.tensorboard = True  # event files in OUT/tb (tensorboardX); metrics.jsonl always
+  # Device mesh (data, fsdp, tensor); -1 = the rest of the devices.
+  c.mesh_data = -1
+  c.mesh_fsdp = 1
+  c.mesh_tensor = 1
   return c
 
 
@@ -158,8 +174,20 @@ def step_loss(drafter, settings: StepSettings, params, batch: dict, target_param
                    settings.loss)
 
 
+def train_state_shardings(drafter, tx, mesh):
+  """(abstract train state, its shardings). The draft params and the optimizer state that
+  mirrors them keep the draft modules' logical axes (optax maps over the Flax boxes), so
+  the one rule table places both; step and rng are replicated."""
+  def boxed_state(boxed_params):
+    return {"params": boxed_params, "opt_state": tx.init(boxed_params), "step": jnp.int32(0),
+            "rng": step_key(0)}
+
+  boxed = jax.eval_shape(boxed_state, jax.eval_shape(drafter.init_boxed, step_key(0)))
+  return nn.unbox(boxed), sharding.boxed_shardings(boxed, mesh)
+
+
 def make_train_step(drafter, settings: StepSettings, tx, schedule, state_sharding,
-                    batch_sharding, replicated):
+                    batch_sharding, target_sharding, head_sharding, replicated):
   """jit(state, batch, target_params, head) -> (state, metrics); the state is donated."""
 
   def step(state, batch, target_params, head):
@@ -176,7 +204,8 @@ def make_train_step(drafter, settings: StepSettings, tx, schedule, state_shardin
     return dict(state, params=params, opt_state=opt_state, step=count + 1), metrics
 
   return jax.jit(step, donate_argnums=(0,),
-                 in_shardings=(state_sharding, batch_sharding, replicated, replicated),
+                 in_shardings=(state_sharding, batch_sharding, target_sharding,
+                               head_sharding),
                  out_shardings=(state_sharding, replicated))
 
 
@@ -190,23 +219,29 @@ class TrainResult:
 
 
 class _Logs:
-  """stdout lines (through tqdm when a bar is shown), metrics.jsonl and TensorBoard."""
+  """stdout lines (through tqdm when a bar is shown), metrics.jsonl and TensorBoard;
+  silent on every process but the first (`writer=False`)."""
 
-  def __init__(self, out_dir, bar, tensorboard: bool):
+  def __init__(self, out_dir, bar, tensorboard: bool, writer: bool = True):
     self.bar = bar
-    self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+    self.writer = writer
+    self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a") if writer else None
     self.tb = None
-    if tensorboard:
+    if tensorboard and writer:
       from tensorboardX import SummaryWriter
       self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
 
   def line(self, text: str) -> None:
+    if not self.writer:
+      return
     if self.bar is not None and not self.bar.disable:
       self.bar.write(text, file=sys.stdout)
     else:
       print(text, flush=True)
 
   def record(self, kind: str, step: int, values: dict) -> None:
+    if not self.writer:
+      return
     self.jsonl.write(json.dumps(dict(values, kind=kind, step=step)) + "\n")
     self.jsonl.flush()
     if self.tb is not None:
@@ -215,7 +250,8 @@ class _Logs:
           self.tb.add_scalar(f"{kind}/{k}", v, step)
 
   def close(self) -> None:
-    self.jsonl.close()
+    if self.jsonl is not None:
+      self.jsonl.close()
     if self.tb is not None:
       self.tb.close()
 
@@ -268,6 +304,7 @@ class _Inputs:
   train_rows: np.ndarray
   val_rows: np.ndarray
   order: DataOrder
+  row_lengths: np.ndarray  # tokens per dataset row (before the max_len cut)
 
 
 def _load_inputs(config, data_dir) -> _Inputs:
@@ -295,7 +332,7 @@ def _load_inputs(config, data_dir) -> _Inputs:
                     config.batch_size, config.seed, config.group_by_length)
   if config.online:  # features come from the target; never read them from disk
     dataset = dataset.select_columns(["prompt_index", "input_ids", "loss_mask"])
-  return _Inputs(dataset, table, target, drafter, train_rows, val_rows, order)
+  return _Inputs(dataset, table, target, drafter, train_rows, val_rows, order, lengths)
 
 
 def _restore(checkpoints, step: int, abstract, fingerprint: dict, order: DataOrder):
@@ -314,14 +351,15 @@ def _restore(checkpoints, step: int, abstract, fingerprint: dict, order: DataOrd
   return state, None if subset is None else np.asarray(subset, np.int32)
 
 
-def _evaluate(batches, params, target_params, head, drafter, online: bool, sharding) -> dict:
+def _evaluate(batches, params, target_params, head, drafter, online: bool,
+              batch_placement) -> dict:
   """alpha_k and tau (`metrics.py`) over the padded validation batches."""
   from jakiro_jax.train.features import features_jit
   from jakiro_jax.train.metrics import acceptance_counts, summarize
 
   hits = trials = 0
   for batch in batches:
-    batch = jax.device_put(batch, sharding)
+    batch = jax.device_put(batch, batch_placement)
     features = (features_jit(target_params, batch["input_ids"], config=drafter.target_config)
                 if online else batch["features"])
     h, t = acceptance_counts(params, target_params, batch["input_ids"], features,
@@ -371,16 +409,22 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
   spe = order.steps_per_epoch
   total_steps = config.num_steps or math.ceil(config.num_epochs * spe)
 
-  # Devices: a 1-D `data` mesh; the batch is split over it, everything else replicated.
-  devices = jax.devices()
-  if config.batch_size % len(devices):
+  try:
+    mesh = sharding.make_mesh((config.mesh_data, config.mesh_fsdp, config.mesh_tensor))
+  except ValueError as e:
+    raise TrainInputError(f"config.mesh_data/mesh_fsdp/mesh_tensor: {e}") from None
+  batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+  if config.batch_size % batch_ways:
     raise TrainInputError(f"batch_size {config.batch_size} is not divisible by the "
-                     f"{len(devices)} devices of the data mesh")
-  mesh = Mesh(np.array(devices), ("data",))
-  replicated = NamedSharding(mesh, PartitionSpec())
-  batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-  target_params = jax.device_put(target.params, replicated)
+                          f"{batch_ways} data x fsdp devices of the mesh {dict(mesh.shape)}")
+  replicated = sharding.replicated(mesh)
+  batch_sharding = sharding.batch_sharding((config.batch_size,), mesh)
+  target_params = jax.device_put(target.params,
+                                 sharding.target_shardings(target.config, mesh))
   tx, schedule = make_optimizer(config, total_steps)
+  abstract_state, state_sharding = train_state_shardings(drafter, tx, mesh)
+  is_writer = jax.process_index() == 0  # one host writes logs and files for all
+  multihost = jax.process_count() > 1
 
   def init_state():
     params = initial_params(drafter, config.seed)
@@ -394,23 +438,30 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
   try:
     start = checkpoints.latest_step() if resume else None
     if start is None:
-      state, subset, start = jax.jit(init_state, out_shardings=replicated)(), None, 0
-    else:
+      state, subset, start = jax.jit(init_state, out_shardings=state_sharding)(), None, 0
+    else:  # restored straight into this run's shards, whatever mesh saved it
       abstract = jax.tree.map(
-          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-          jax.eval_shape(init_state))
+          lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+          abstract_state, state_sharding)
       state, subset = _restore(checkpoints, start, abstract, fingerprint, order)
     if config.vocab_subset and subset is None:
       # Computed once per run; saved with every checkpoint (and as a json for people).
       subset = _token_subset(inputs.table, inputs.train_rows, target.config.vocab_size,
                              config.vocab_subset, config.max_len)
-      save_subset(out_dir, subset)
+      if is_writer:
+        save_subset(out_dir, subset)
     tied = target.config.tie_word_embeddings
-    full_head = jax.device_put(head_matrix(target.params, tied), replicated)
+
+    def place_head(head):
+      return jax.device_put(head, sharding.logical_sharding(sharding.HEAD_AXES, head.shape,
+                                                            mesh))
+
+    full_head = place_head(head_matrix(target.params, tied))
     train_head = (full_head if subset is None else
-                  jax.device_put(head_matrix(target.params, tied, subset), replicated))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-      f.write(config.to_json(indent=2))
+                  place_head(head_matrix(target.params, tied, subset)))
+    if is_writer:
+      with open(os.path.join(out_dir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
 
     settings = StepSettings(online=bool(config.online), noise=bool(config.noise),
                             noise_std=float(config.noise_std), steps_per_epoch=spe,
@@ -426,14 +477,28 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
         phase = dataclasses.replace(settings,
                                     loss=dataclasses.replace(settings.loss, mlp_ce=ce))
       if phase not in compiled:
-        compiled[phase] = make_train_step(drafter, phase, tx, schedule, replicated,
-                                          batch_sharding, replicated)
+        compiled[phase] = make_train_step(
+            drafter, phase, tx, schedule, state_sharding, batch_sharding,
+            jax.tree.map(lambda x: x.sharding, target_params), train_head.sharding,
+            replicated)
       return compiled[phase]
 
+    host_rows = sharding.process_rows(batch_sharding, config.batch_size)
+
     def load_batch(step: int) -> dict:
-      rows = [inputs.rows[int(i)] for i in order.batch_rows(step)]
-      return pad_rows(rows, config.batch_size, config.max_len,
-                      with_features=not config.online)
+      """The step's batch; on several hosts only this host's rows, as global arrays."""
+      rows = order.batch_rows(step)
+      if not multihost:
+        return pad_rows([inputs.rows[int(i)] for i in rows], config.batch_size,
+                        config.max_len, with_features=not config.online)
+      # Every host pads to the same length: the bucket of the whole batch's longest row.
+      length = bucket_length(
+          max(int(np.minimum(inputs.row_lengths[rows], config.max_len).max()), 1),
+          config.max_len)
+      local = pad_rows([inputs.rows[int(i)] for i in rows[host_rows]],
+                       host_rows.stop - host_rows.start, config.max_len,
+                       with_features=not config.online, length=length)
+      return sharding.global_batch(local, batch_sharding, config.batch_size)
 
     picked = [inputs.rows[int(i)] for i in inputs.val_rows[:max(config.eval_rows, 0)]]
     eval_batches = [pad_rows(picked[i:i + config.batch_size], config.batch_size,
@@ -451,11 +516,12 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
     show = config.progress if progress is None else progress
     bar = tqdm(total=total_steps, initial=start, disable=not show, file=sys.stderr,
                dynamic_ncols=True, desc=f"train {config.method}")
-    logs = _Logs(out_dir, bar, config.tensorboard)
+    logs = _Logs(out_dir, bar, config.tensorboard, writer=is_writer)
     say = log or logs.line
     say(f"{config.method} draft on {config.target}: {len(inputs.train_rows)} train / "
         f"{len(inputs.val_rows)} validation rows, {spe} steps per epoch, {total_steps} "
-        f"steps, batch {config.batch_size} on {len(devices)} device(s), "
+        f"steps, batch {config.batch_size} on {mesh.size} device(s) "
+        f"(mesh {dict(mesh.shape)}), "
         f"{'online' if config.online else 'stored'} features, "
         f"head {'full' if subset is None else f'{len(subset)} tokens'}"
         + (f"; resumed at step {start}" if start else ""))
@@ -466,7 +532,8 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
     batch = load_batch(step) if step < total_steps else None
     while step < total_steps:
       state, metrics = train_step_at(step)(state, batch, target_params, train_head)
-      window_tokens += int(batch["lengths"].sum())  # real tokens, padding not counted
+      # real tokens, padding not counted (on several hosts: this host's rows only)
+      window_tokens += int(np.sum(sharding.local_values(batch["lengths"])))
       window_metrics.append(metrics)  # device arrays: no host sync until the log line
       step += 1
       if step < total_steps:  # collate the next batch while the step runs
@@ -505,8 +572,9 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
     if logs is not None:
       logs.close()
     checkpoints.close()
-  params = jax.device_get(state["params"])
+  params = sharding.to_host(state["params"])
   if config.draft_vocab and subset is not None:  # cheaper draft forwards, still lossless
     drafter = dataclasses.replace(drafter, draft_vocab=tuple(int(i) for i in subset))
-  save_draft(os.path.join(out_dir, "draft"), drafter, params, dtype="float16")
+  if is_writer:
+    save_draft(os.path.join(out_dir, "draft"), drafter, params, dtype="float16")
   return TrainResult(params=params, step=step, history=history, evals=evals, out_dir=out_dir)

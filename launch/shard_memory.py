@@ -1,0 +1,94 @@
+"""Memory per device of a target (and its KV cache) sharded over a mesh, computed from the
+sharded abstract arrays (`jax.eval_shape` + the rules of `jakiro_jax/sharding.py`):
+nothing is allocated or downloaded.
+
+  python -m launch.shard_memory --preset=llama2_7b --mesh=1,1,8
+  python -m launch.shard_memory --hf_config=/path/to/model/config.json --mesh=1,4,2
+
+On a machine with fewer devices than the mesh, CPU devices are faked
+(`--xla_force_host_platform_device_count`), which is all abstract evaluation needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from absl import app, flags
+
+_PRESET = flags.DEFINE_enum("preset", "llama2_7b", ["llama2_7b", "llama31_8b"],
+                            "Architecture when no --hf_config is given.")
+_HF_CONFIG = flags.DEFINE_string("hf_config", None, "A HuggingFace config.json instead.")
+_MESH = flags.DEFINE_string("mesh", "1,1,8", "DATA,FSDP,TENSOR.")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weight and cache dtype.")
+_BATCH = flags.DEFINE_integer("batch", 1, "KV cache rows.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 4096, "KV cache slots per row.")
+
+PRESETS = {  # HF config.json fields of the public checkpoints
+    "llama2_7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096,
+                      intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "llama31_8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False,
+                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                         high_freq_factor=4.0,
+                                         original_max_position_embeddings=8192)),
+}
+
+
+def sharded_memory(hf_config: dict, mesh_sizes, dtype: str = "bfloat16", batch: int = 1,
+                   max_len: int = 4096) -> dict:
+  """Bytes per device of the target weights and of its KV cache on a (data, fsdp, tensor)
+  mesh, from the abstract arrays and their shardings."""
+  import jax
+
+  from jakiro_jax import sharding
+  from jakiro_jax.models.config import config_from_hf
+  from jakiro_jax.models.llama import init_params, new_cache
+
+  config = config_from_hf(hf_config, dtype)
+  mesh = sharding.make_mesh(mesh_sizes)
+  weights = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
+  weight_shardings = sharding.target_shardings(config, mesh)
+  cache = jax.eval_shape(lambda: new_cache(config, batch, max_len))
+  cache_shardings = sharding.cache_shardings(cache, mesh)
+  per_weights = sharding.bytes_per_device(weights, weight_shardings)
+  per_cache = sharding.bytes_per_device(cache, cache_shardings)
+  total = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(weights))
+  return {
+      "mesh": dict(mesh.shape), "dtype": dtype,
+      "parameters": sum(math.prod(x.shape) for x in jax.tree.leaves(weights)),
+      "weights_total_gib": total / 2**30,
+      "weights_per_device_gib": max(per_weights.values()) / 2**30,
+      "kv_cache": f"batch {batch} x {max_len} slots",
+      "kv_cache_per_device_gib": max(per_cache.values()) / 2**30,
+      "specs": {name: str(s.spec) for name, s in  # layer 0 stands for every layer
+                ((jax.tree_util.keystr(path, simple=True, separator="/"), s)
+                 for path, s in jax.tree_util.tree_leaves_with_path(weight_shardings))
+                if "layers_" not in name or "layers_0/" in name},
+  }
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from jakiro_jax.sharding import parse_mesh_flag
+  sizes = parse_mesh_flag(_MESH.value)
+  if _HF_CONFIG.value:
+    with open(_HF_CONFIG.value) as f:
+      hf = json.load(f)
+  else:
+    hf = PRESETS[_PRESET.value]
+  want = math.prod(s for s in sizes if s > 0)
+  # Read when the backend starts (first device query), so setting it here still counts.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={want}")
+  print(json.dumps(sharded_memory(hf, sizes, _DTYPE.value, _BATCH.value, _MAX_LEN.value),
+                   indent=2))
+
+
+if __name__ == "__main__":
+  app.run(main)
