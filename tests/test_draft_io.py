@@ -50,3 +50,15 @@ def test_load_refuses_weights_of_another_shape(tmp_path, tiny_pair):
   (tmp_path / "draft.json").write_text(json.dumps(dict(meta, method="jakiro", options={})))
   with pytest.raises(ValueError, match="does not fit a jakiro draft"):
     load_draft(tmp_path, target)
+
+
+def test_shipped_draft_names_resolve_to_their_directory(tmp_path, tiny_pair, monkeypatch):
+  from jakiro_jax.drafts import io
+  _, target = tiny_pair
+  drafter = make_drafter("jakiro", target.config)
+  params = drafter.init_params(jax.random.PRNGKey(2))
+  save_draft(tmp_path / "tiny-jakiro", drafter, params)
+  monkeypatch.setattr(io, "SHIPPED_DRAFTS", {"tiny-jakiro": str(tmp_path / "tiny-jakiro")})
+  loaded_drafter, loaded = load_draft("tiny-jakiro", target)  # as `launch.export --draft=NAME`
+  assert loaded_drafter == drafter
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
