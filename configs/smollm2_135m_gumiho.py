@@ -6,33 +6,22 @@
 Spec recipe (Gumiho, 7B/8B on 8 GPUs) in the comments; the values here suit a CPU run.
 """
 
+from configs.smollm2_135m_cpu import cpu_training
 from jakiro_jax.train.trainer import default_config
 
 
 def get_config():
-  c = default_config()
+  c = cpu_training(default_config())
   c.method = "gumiho"
-  c.target = "smollm2"
   # As configs/smollm2_135m.py's gumiho block: 1 serial step + 5 MLP levels.
   c.tree.update(top_k=14, depth=6, total_tokens=64)
   c.draft.mlp_num = 5
   c.draft.mlp_topk = 35
   c.draft.pruning = 35
-  c.batch_size = 4  # spec: 4 per GPU x 8
-  c.max_len = 1024  # spec: 2048
-  c.lr = 3e-4  # spec: 2e-4, log warm-up 200 steps, linear decay to 0 at 200k steps
-  c.warmup_steps = 100
-  c.num_epochs = 4.0  # spec: not stated (loop bound 200)
+  # lr 3e-4 (configs/smollm2_135m_cpu.py); spec: 2e-4, log warm-up 200 steps, linear decay to 0 at 200k steps
   c.weight_decay = 0.0  # spec
   c.clip_mode, c.clip = "global_norm", 0.5  # spec: gradient-norm clipping 0.5
   # spec: v 1.0, p 0.1; MLP heads 1.0 / 0.1 (CE only from epoch 2), divided by 9, decay 0.8
   c.loss.update(v_weight=1.0, p_weight=0.1, mlp_v_weight=1.0, mlp_p_weight=0.1,
                 mlp_p_start_epoch=2, mlp_loss_weight=9.0, mlp_decay=0.8)
-  c.vocab_subset = 8192  # CPU budget: CE over the 8192 most frequent target tokens
-  c.draft_vocab = True  # the shipped draft drafts from those tokens (fewer head rows)
-  c.save_every = 500
-  c.eval_every = 500  # ~4 s per batch of 4 validation rows on CPU
-  c.eval_rows = 16
-  c.log_every = 10
-  c.seed = 0
   return c

@@ -11,25 +11,9 @@ import sys
 
 
 def read_questions(path: str, limit: int) -> list[str]:
-  """First user turns of a FastChat question file."""
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"questions file {path} does not exist")
-  turns = []
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-        turns.append(record["turns"][0])
-      except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-        raise ValueError(f"{path}:{n} is not a FastChat question "
-                         f"(a JSON object with a 'turns' list)") from None
-      if len(turns) == limit:
-        break
-  if not turns:
-    raise ValueError(f"{path} holds no questions")
-  return turns
+  """First user turns of a FastChat question file (`train.data.read_prompts`)."""
+  from jakiro_jax.train.data import read_prompts
+  return read_prompts(path, limit)
 
 
 def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,

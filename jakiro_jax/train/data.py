@@ -133,6 +133,8 @@ def load_feature_dataset(out_dir):
 
 def read_prompts(path, limit: int | None = None) -> list[str]:
   """First user turns of a FastChat-format jsonl file (`{"turns": [...]}` per line)."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"questions file {path} does not exist")
   prompts = []
   with open(path) as f:
     for number, line in enumerate(f, 1):
@@ -142,7 +144,7 @@ def read_prompts(path, limit: int | None = None) -> list[str]:
         record = json.loads(line)
         turn = record["turns"][0]
       except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-        raise ValueError(f"{path}:{number}: not a FastChat question record "
+        raise ValueError(f"{path}:{number} is not a FastChat question record "
                          f"({type(e).__name__}: {e})") from None
       if not isinstance(turn, str) or not turn.strip():
         raise ValueError(f"{path}:{number}: the first turn is empty or not text")
