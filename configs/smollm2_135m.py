@@ -12,9 +12,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.target = "smollm2"  # embedded name, HF model directory or .gguf file
   config.dtype = "float32"  # bf16 on this CPU ran 2.5x slower than fp32
   config.system_prompt = ""  # empty: the chat template's own default
-  # EAGLE-2 dynamic tree (used by the speculative methods).
-  config.tree = ml_collections.ConfigDict(dict(top_k=10, depth=5, total_tokens=60))
-  # Gumiho's own defaults: 1 serial step + 5 MLP levels, Q children per node, P kept per level.
-  config.gumiho = ml_collections.ConfigDict(dict(top_k=14, depth=6, total_tokens=64,
-                                                 mlp_num=5, mlp_topk=35, pruning=35))
+  # EAGLE-2 dynamic tree (used by eagle2 and jakiro). Small, because on a CPU the verify
+  # forward is compute-bound: its cost grows with every node (12 nodes ~ 2.3 AR steps here).
+  # The papers' GPU tree: top_k=10, depth=5, total_tokens=60.
+  config.tree = ml_collections.ConfigDict(dict(top_k=4, depth=4, total_tokens=12))
+  # Gumiho: 1 serial step + 5 MLP levels, mlp_topk children per node, `pruning` kept per
+  # level. The paper's GPU tree: top_k=14, total_tokens=64, mlp_topk=35, pruning=35.
+  config.gumiho = ml_collections.ConfigDict(dict(top_k=4, depth=6, total_tokens=12,
+                                                 mlp_num=5, mlp_topk=4, pruning=4))
   return config

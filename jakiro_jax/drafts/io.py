@@ -17,7 +17,12 @@ from jakiro_jax.drafts import make_drafter
 from jakiro_jax.models.config import read_json
 from jakiro_jax.spec.tree import TreeConfig
 
-SHIPPED_DRAFTS: dict[str, str] = {}  # "<target>-<method>" -> package-relative directory
+# "<target>-<method>" -> package-relative directory. Trained by the commands in the README
+# ("Training"), fp16, without the target's embedding and lm_head.
+SHIPPED_DRAFTS: dict[str, str] = {
+    f"smollm2-{method}": f"assets/drafts/smollm2-{method}"
+    for method in ("eagle2", "jakiro", "gumiho")
+}
 
 
 def _flatten(tree, prefix=""):

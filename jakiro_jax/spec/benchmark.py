@@ -35,10 +35,16 @@ def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
                        f"slow) draft")
     draft = name
   drafter, params = load_draft(draft, target, tree)
-  if options and "fta" in options:
-    drafter = dataclasses.replace(drafter, fta=options["fta"])
   if drafter.name != method:
     raise ValueError(f"draft {draft} is a {drafter.name} draft, not {method}")
+  # Tree-shape options come from the config, like the tree; architecture must match the draft.
+  options = dict(options or {})
+  for arch in ("mlp_num",):
+    if arch in options and options.pop(arch) != getattr(drafter, arch):
+      raise ValueError(f"draft {draft} has {arch}={getattr(drafter, arch)}, the config asks "
+                       f"for a different value; set it to the draft's")
+  drafter = dataclasses.replace(
+      drafter, **{k: v for k, v in options.items() if k in ("fta", "mlp_topk", "pruning")})
   return drafter, params
 
 

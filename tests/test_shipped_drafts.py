@@ -1,0 +1,58 @@
+"""The drafts shipped for the embedded SmolLM2 target: present, lossless, trained."""
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jakiro_jax.drafts.io import SHIPPED_DRAFTS, load_draft
+from jakiro_jax.spec.autoregressive import generate_ar
+from jakiro_jax.spec.generate import generate
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+METHODS = ("eagle2", "jakiro", "gumiho")
+PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+           "clips in May. How many clips did Natalia sell altogether in April and May?",
+           "Give three tips for staying healthy."]
+
+
+def test_a_draft_ships_for_every_method():
+  assert {f"smollm2-{m}" for m in METHODS} <= set(SHIPPED_DRAFTS)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_shipped_draft_is_lossless_and_accepts_tokens(smollm2, method):
+  drafter, params = load_draft(f"smollm2-{method}", smollm2)
+  assert drafter.name == method and drafter.draft_vocab  # drafts from the training subset
+  prompts = [smollm2.chat_prompt(p) for p in PROMPTS]
+  spec = generate(smollm2, drafter, params, prompts, max_new_tokens=32)
+  assert spec.tokens == generate_ar(smollm2, prompts, max_new_tokens=32).tokens
+  # An untrained draft stays near tau 1; the shipped ones accept about 2.3-3 tokens a round.
+  assert spec.tau >= 2.0, spec.tau
+
+
+def test_shipped_draft_exports_by_name_and_imports_back(tmp_path, smollm2):
+  ref = tmp_path / "ref"
+  subprocess.run([sys.executable, "-m", "launch.export", "--draft=smollm2-eagle2",
+                  "--target=smollm2", "--format=eagle2", f"--out={ref}", "--dtype=fp16",
+                  "--safetensors", "--nobin"], check=True, capture_output=True, cwd=REPO)
+  back = tmp_path / "back"
+  subprocess.run([sys.executable, "-m", "launch.import_draft", f"--src={ref}",
+                  "--format=eagle2", "--target=smollm2", f"--out={back}"],
+                 check=True, capture_output=True, cwd=REPO)
+  _, shipped = load_draft("smollm2-eagle2", smollm2)
+  _, imported = load_draft(back, smollm2)
+  shipped, imported = dict(_leaves(shipped)), dict(_leaves(imported))
+  assert set(imported) == set(shipped)
+  for name, value in imported.items():
+    np.testing.assert_array_equal(value, shipped[name])
+
+
+def _leaves(tree, prefix=""):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _leaves(value, f"{prefix}{key}/")
+    else:
+      yield f"{prefix}{key}", np.asarray(value)
