@@ -62,3 +62,20 @@ def test_shipped_draft_names_resolve_to_their_directory(tmp_path, tiny_pair, mon
   loaded_drafter, loaded = load_draft("tiny-jakiro", target)  # as `launch.export --draft=NAME`
   assert loaded_drafter == drafter
   jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_config_tree_options_apply_to_a_loaded_gumiho_draft(tmp_path, tiny_pair):
+  """bench/eval_suite take the tree shape (incl. Gumiho's mlp_topk, pruning) from the config,
+  whatever the draft was saved with; the architecture (mlp_num) must match the draft."""
+  from jakiro_jax.spec.benchmark import resolve_draft
+  _, target = tiny_pair
+  tree = TreeConfig(top_k=3, depth=4, total_tokens=10)
+  drafter = make_drafter("gumiho", target.config, tree, mlp_num=3, mlp_topk=5, pruning=5)
+  save_draft(tmp_path, drafter, drafter.init_params(jax.random.PRNGKey(0)))
+  loaded, _ = resolve_draft(target, "gumiho", str(tmp_path), tree,
+                            options={"mlp_num": 3, "mlp_topk": 2, "pruning": 4, "fta": True})
+  assert (loaded.mlp_topk, loaded.pruning, loaded.fta, loaded.mlp_num) == (2, 4, True, 3)
+  with pytest.raises(ValueError, match="has mlp_num=3"):
+    resolve_draft(target, "gumiho", str(tmp_path), tree, options={"mlp_num": 5})
+  with pytest.raises(ValueError, match="is a gumiho draft, not eagle2"):
+    resolve_draft(target, "eagle2", str(tmp_path), tree)
