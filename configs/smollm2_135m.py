@@ -6,6 +6,8 @@
 
 import ml_collections
 
+from jakiro_jax.spec.static_tree import JAKIRO_STAR_CHOICES
+
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
@@ -17,4 +19,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Gumiho's own defaults: 1 serial step + 5 MLP levels, Q children per node, P kept per level.
   config.gumiho = ml_collections.ConfigDict(dict(top_k=14, depth=6, total_tokens=64,
                                                  mlp_num=5, mlp_topk=35, pruning=35))
+  # Jakiro*'s static tree: paths of child ranks (the original's 26 nodes, level sizes
+  # 4, 8, 8, 3, 2, 1); its sizes follow from the list (jakiro_jax/spec/static_tree.py).
+  config.jakiro_star = ml_collections.ConfigDict(
+      dict(choices=[list(c) for c in JAKIRO_STAR_CHOICES]))
   return config

@@ -72,6 +72,25 @@ def test_bad_choices_and_trees_are_rejected(target):
   assert drafter.tree == TreeConfig(top_k=3, depth=2, total_tokens=8)
 
 
+def test_bench_options_come_from_the_config_choices():
+  import importlib.util
+  import os
+  from jakiro_jax.spec.benchmark import tree_and_options
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "configs", "smollm2_135m.py")
+  spec = importlib.util.spec_from_file_location("smollm2_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  tree, options = tree_and_options(config, "jakiro_star", reference_parity=True)
+  assert tree == TreeConfig(top_k=4, depth=5, total_tokens=27)
+  assert options == {"choices": JAKIRO_STAR_CHOICES, "reference_parity": True}
+  with pytest.raises(ValueError, match="top_k do not apply"):
+    tree_and_options(config, "jakiro_star", top_k=2)
+  with pytest.raises(ValueError, match="reference_parity applies to methods jakiro and"):
+    tree_and_options(config, "eagle2", reference_parity=True)
+
+
 # ---- the layer ---------------------------------------------------------------------------------
 
 
