@@ -148,7 +148,7 @@ def tree_and_options(config, method: str, fta: bool = False, reference_parity: b
       raise ValueError(f"Jakiro* drafts a static tree given by config.jakiro_star.choices; "
                        f"{', '.join(given)} do not apply")
     block = config.get("jakiro_star")
-    choices = normalize_choices(block.choices if block else JAKIRO_STAR_CHOICES)
+    choices = normalize_choices(block["choices"] if block else JAKIRO_STAR_CHOICES)
     return static_tree(choices).tree_config(), dict(options, choices=choices)
   if method == "gumiho":
     tree_cfg = dict(config.gumiho)
