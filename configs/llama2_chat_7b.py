@@ -1,4 +1,4 @@
-"""LLaMA-2-chat 7B (MHA, vocab 32000): EAGLE-2, Jakiro or Gumiho draft (configs/real_targets.py).
+"""LLaMA-2-chat 7B (MHA, vocab 32000): EAGLE-2, Jakiro, Jakiro* or Gumiho draft (configs/real_targets.py).
 
   python -m launch.train --config=configs/llama2_chat_7b.py:jakiro \
       --config.target=/path/to/Llama-2-7b-chat-hf --data=DIR --out=DIR

@@ -1,4 +1,4 @@
-"""LLaMA-3.1-8B-Instruct (GQA 32/8, vocab 128256, llama3 rope scaling): EAGLE-2, Jakiro or Gumiho draft (configs/real_targets.py).
+"""LLaMA-3.1-8B-Instruct (GQA 32/8, vocab 128256, llama3 rope scaling): EAGLE-2, Jakiro, Jakiro* or Gumiho draft (configs/real_targets.py).
 
   python -m launch.train --config=configs/llama31_8b.py:jakiro \
       --config.target=/path/to/Llama-3.1-8B-Instruct --data=DIR --out=DIR

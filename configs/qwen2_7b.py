@@ -1,4 +1,4 @@
-"""Qwen2-7B-Instruct (GQA 28/4, qkv bias, vocab 152064): EAGLE-2, Jakiro or Gumiho draft (configs/real_targets.py).
+"""Qwen2-7B-Instruct (GQA 28/4, qkv bias, vocab 152064): EAGLE-2, Jakiro, Jakiro* or Gumiho draft (configs/real_targets.py).
 
   python -m launch.train --config=configs/qwen2_7b.py:jakiro \
       --config.target=/path/to/Qwen2-7B-Instruct --data=DIR --out=DIR

@@ -13,15 +13,19 @@ nothing is downloaded. Recipes (reference/jakiro_spec.md 5.4, gumiho_spec.md 4):
           tree top_k 10 / depth 5 / 60 tokens (the reference decays linearly; we cosine)
   jakiro  AdamW lr 9e-5, cosine, 2000 warm-up steps, wd 1e-3, clip by value 0.5, 21
           epochs, loss v 1.0 / p 0.1 / contrast 0.5, tree as EAGLE-2
+  jakiro_star  AdamW lr 9e-5, 2000 warm-up steps, wd 1e-3, clip by value 0.5, 31 epochs,
+          loss v 1.0 / p 0.1 on the weighted expert sum, the original's static 26-node tree
+          (the reference decays linearly to 0 at 800k steps; we cosine)
   gumiho  AdamW lr 2e-4, 200 warm-up steps, wd 0, clip by global norm 0.5, tree top_k 14 /
           depth 6 / 64 tokens, 5 MLP heads, 35 children per node, 35 kept per level
 All: betas (0.9, 0.95), max_len 2048, bf16; batch 4 per device in the papers (32 global on
 8 GPUs), 32 global here.
 """
 
+from jakiro_jax.spec.static_tree import JAKIRO_STAR_CHOICES, static_tree
 from jakiro_jax.train.trainer import default_config
 
-METHODS = ("eagle2", "jakiro", "gumiho")
+METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
 EAGLE_TREE = dict(top_k=10, depth=5, total_tokens=60)
 GUMIHO = dict(top_k=14, depth=6, total_tokens=64, mlp_num=5, mlp_topk=35, pruning=35)
 
@@ -36,6 +40,7 @@ def real_target_config(target_placeholder: str, method: str, fc_bias: bool = Tru
   c.dtype = "bfloat16"
   c.system_prompt = ""  # launch.bench: empty = the chat template's own default
   c.gumiho = dict(GUMIHO)  # launch.bench reads Gumiho's tree from here
+  c.jakiro_star = dict(choices=[list(x) for x in JAKIRO_STAR_CHOICES])  # and Jakiro*'s
   c.max_len = 2048
   c.batch_size = 32  # global; split over data x fsdp
   # A bf16 7B target is ~13.5 GB: split it 4 ways over fsdp (fits 16 GB v5e chips);
@@ -53,6 +58,13 @@ def real_target_config(target_placeholder: str, method: str, fc_bias: bool = Tru
     c.lr, c.warmup_steps, c.weight_decay, c.num_epochs = 9e-5, 2000, 1e-3, 21.0
     c.clip_mode, c.clip = "value", 0.5
     c.loss.update(v_weight=1.0, p_weight=0.1, contrast_weight=0.5)
+  elif method == "jakiro_star":
+    tree = static_tree(JAKIRO_STAR_CHOICES).tree_config()
+    c.tree.update(top_k=tree.top_k, depth=tree.depth, total_tokens=tree.total_tokens)
+    c.draft.choices = [list(x) for x in JAKIRO_STAR_CHOICES]
+    c.lr, c.warmup_steps, c.weight_decay, c.num_epochs = 9e-5, 2000, 1e-3, 31.0
+    c.clip_mode, c.clip = "value", 0.5
+    c.loss.update(v_weight=1.0, p_weight=0.1)
   else:
     c.tree.update(**{k: GUMIHO[k] for k in ("top_k", "depth", "total_tokens")})
     c.draft.update(**{k: GUMIHO[k] for k in ("mlp_num", "mlp_topk", "pruning")})

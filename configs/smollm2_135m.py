@@ -6,6 +6,8 @@
 
 import ml_collections
 
+from jakiro_jax.spec.static_tree import JAKIRO_STAR_CHOICES
+
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
@@ -20,4 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
   # level. The paper's GPU tree: top_k=14, total_tokens=64, mlp_topk=35, pruning=35.
   config.gumiho = ml_collections.ConfigDict(dict(top_k=4, depth=6, total_tokens=12,
                                                  mlp_num=5, mlp_topk=4, pruning=4))
+  # Jakiro*'s static tree: paths of child ranks (the original's 26 nodes, level sizes
+  # 4, 8, 8, 3, 2, 1); its sizes follow from the list (jakiro_jax/spec/static_tree.py).
+  config.jakiro_star = ml_collections.ConfigDict(
+      dict(choices=[list(c) for c in JAKIRO_STAR_CHOICES]))
   return config

@@ -1,4 +1,4 @@
-"""Vicuna-7B v1.3 (LLaMA-1 architecture, MHA, vocab 32000): EAGLE-2, Jakiro or Gumiho draft (configs/real_targets.py).
+"""Vicuna-7B v1.3 (LLaMA-1 architecture, MHA, vocab 32000): EAGLE-2, Jakiro, Jakiro* or Gumiho draft (configs/real_targets.py).
 
   python -m launch.train --config=configs/vicuna_7b.py:jakiro \
       --config.target=/path/to/vicuna-7b-v1.3 --data=DIR --out=DIR

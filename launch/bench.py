@@ -9,8 +9,9 @@ batch 1. Compilation happens in an untimed warm-up over the same shapes, so toke
 steady-state rate. With --compare_hf the same weights run in a plain transformers model
 (`generate`, greedy, same machine) and the greedy outputs are compared token by token.
 
-Speculative methods (`--method=eagle2|jakiro|gumiho [--draft=DIR|random] [--top_k --depth
---total_tokens] [--fta]`) also run our AR loop on the same questions in the same process and report
+Speculative methods (`--method=eagle2|jakiro|jakiro_star|gumiho [--draft=DIR|random] [--top_k
+--depth --total_tokens] [--fta] [--reference_parity]`; jakiro_star takes its static tree from
+the config's `jakiro_star.choices`, not from the tree flags) also run our AR loop on the same questions in the same process and report
 tau (mean tokens per verification forward, bonus included), rounds, ar_tokens_per_s,
 speedup (tokens/s ratio) and greedy_mismatches (questions whose tokens differ from AR's at
 T=0), plus draft_forwards_per_round and draft_time_share (drafting vs verification, timed
@@ -37,7 +38,8 @@ from jakiro_jax.spec.benchmark import (ar_baseline, base_report, read_questions,
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
-_METHOD = flags.DEFINE_enum("method", "ar", ["ar", "eagle2", "jakiro", "gumiho"], "Generation method.")
+_METHOD = flags.DEFINE_enum("method", "ar", ["ar", "eagle2", "jakiro", "jakiro_star", "gumiho"],
+                            "Generation method.")
 _DRAFT = flags.DEFINE_string(
     "draft", None, "Draft directory, shipped draft name, or 'random' (untrained, still "
     "lossless). Default: the draft shipped for the config's target.")
@@ -47,6 +49,10 @@ _TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per ro
 _FTA = flags.DEFINE_bool(
     "fta", False, "Gumiho: Full Tree Attention. Not target-preserving (greedy output can "
     "differ from the target's); greedy_mismatches in the report shows by how much.")
+_REFERENCE_PARITY = flags.DEFINE_bool(
+    "reference_parity", False, "jakiro / jakiro_star: behave as the original code. For "
+    "jakiro_star at T > 0 that is its acceptance rule, which is NOT lossless (it inflates "
+    "tau); at T = 0 both are the same lossless greedy drafting.")
 _QUESTIONS = flags.DEFINE_string("questions", None, "FastChat-format .jsonl questions.")
 _MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 10, "Questions to use (first N).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per question.")
@@ -134,8 +140,8 @@ def main(argv):
   questions = read_questions(_QUESTIONS.value, _MAX_QUESTIONS.value)
   try:
     tree, options = tree_and_options(_CONFIG.value, _METHOD.value, _FTA.value,
-                                     top_k=_TOP_K_TREE.value, depth=_DEPTH.value,
-                                     total_tokens=_TOTAL.value)
+                                     _REFERENCE_PARITY.value, top_k=_TOP_K_TREE.value,
+                                     depth=_DEPTH.value, total_tokens=_TOTAL.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   report = run(_CONFIG.value, _METHOD.value, questions, _MAX_NEW.value, sampling,

@@ -2,7 +2,7 @@
 
   python -m launch.eval_suite --config=configs/smollm2_135m.py \
       --questions=../shared/data/eval/gsm8k.jsonl,../shared/data/eval/alpaca.jsonl \
-      --methods=eagle2,jakiro,gumiho --temperatures=0,1 --max_questions=10 \
+      --methods=eagle2,jakiro,jakiro_star,gumiho --temperatures=0,1 --max_questions=10 \
       --max_new_tokens=128 --out=results/smollm2
 
 For each (file, temperature) our AR loop runs once and every method is measured against
@@ -33,6 +33,11 @@ _TEMPERATURES = flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures.
 _MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 10, "First N questions of each file.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per question.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_REFERENCE_PARITY = flags.DEFINE_bool(
+    "reference_parity", False, "Run jakiro / jakiro_star as the original code does (for "
+    "jakiro_star at T > 0 a rule that is NOT lossless); their results are written as "
+    "`<method>_reference`, so a second run into the same --out adds them beside the "
+    "default ones.")
 _OUT = flags.DEFINE_string("out", None, "Output directory of the JSON results.")
 flags.mark_flags_as_required(["questions", "out"])
 
@@ -64,18 +69,24 @@ def main(argv):
   os.makedirs(_OUT.value, exist_ok=True)
   target = load_target(config.target, dtype=config.dtype)
   loaded = {}  # method -> (drafter, params); a missing draft fails before any timing
+  names = {}  # method -> the name its results carry
   for method, draft in zip(methods, drafts):
-    tree, options = tree_and_options(config, method)
+    parity = _REFERENCE_PARITY.value and method in ("jakiro", "jakiro_star")
+    try:
+      tree, options = tree_and_options(config, method, reference_parity=parity)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
     loaded[method] = resolve_draft(target, method, draft, tree, _SEED.value, options)
+    names[method] = method + ("_reference" if parity else "")
   for temperature in temperatures:
     sampling = SamplingConfig(temperature=temperature)
     for category, turns in questions.items():
-      todo = [m for m in methods
-              if not os.path.exists(result_path(_OUT.value, category, temperature, m))]
+      todo = [m for m in methods if not os.path.exists(
+          result_path(_OUT.value, category, temperature, names[m]))]
       if not todo:
         continue
-      print(f"{category} T={temperature:g}: {len(turns)} questions, {', '.join(todo)}",
-            file=sys.stderr)
+      print(f"{category} T={temperature:g}: {len(turns)} questions, "
+            f"{', '.join(names[m] for m in todo)}", file=sys.stderr)
       prompts = [target.chat_prompt(q, config.system_prompt or None) for q in turns]
       ar = ar_baseline(target, prompts, _MAX_NEW.value, sampling, _SEED.value)
       for method in todo:
@@ -83,13 +94,13 @@ def main(argv):
         fields, _ = spec_report(target, drafter, params, prompts, ar, _MAX_NEW.value,
                                 sampling, _SEED.value,
                                 drafts[methods.index(method)] or "shipped")
-        report = dict(base_report(method, target, prompts, _MAX_NEW.value, sampling, ar),
-                      category=category, **fields)
-        path = result_path(_OUT.value, category, temperature, method)
+        report = dict(base_report(names[method], target, prompts, _MAX_NEW.value, sampling,
+                                  ar), category=category, **fields)
+        path = result_path(_OUT.value, category, temperature, names[method])
         with open(path + ".tmp", "w") as f:
           json.dump(report, f, indent=2)
         os.replace(path + ".tmp", path)
-        print(f"  {method}: tau {report['tau']:.2f}, {report['tokens_per_s']:.1f} tokens/s, "
+        print(f"  {names[method]}: tau {report['tau']:.2f}, {report['tokens_per_s']:.1f} tokens/s, "
               f"speedup {report['speedup']:.2f}x", file=sys.stderr)
   table = summary_table([r for r in load_results(_OUT.value) if "category" in r])
   with open(os.path.join(_OUT.value, "summary.md"), "w") as f:

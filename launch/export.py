@@ -6,9 +6,9 @@
 
 --draft is one of our draft directories (`draft.json` + `model.safetensors`) or the name of
 a shipped draft (`jakiro_jax/drafts/io.py: SHIPPED_DRAFTS`); --format must be its method
-(eagle2, jakiro or gumiho). The target is needed because drafts do not store its embedding:
-Gumiho's loader requires `embed_tokens.weight` in the file; EAGLE-2 and Jakiro copy it from
-the base model, so it is added only with --with_embedding. Weight files: `model.safetensors`
+(eagle2, jakiro, jakiro_star or gumiho). The target is needed because drafts do not store
+its embedding: Gumiho's loader requires `embed_tokens.weight` in the file; EAGLE-2, Jakiro
+and Jakiro* copy it from the base model, so it is added only with --with_embedding. Weight files: `model.safetensors`
 (--safetensors, no torch needed) and/or `pytorch_model.bin` (--bin, needs torch); by default
 Gumiho gets the `.bin` (its loader reads nothing else), the others the safetensors file.
 
@@ -26,14 +26,14 @@ from absl import app, flags
 _DRAFT = flags.DEFINE_string("draft", None, "Our draft directory or a shipped draft name.")
 _TARGET = flags.DEFINE_string("target", "smollm2",
                               "Target: 'smollm2', a HuggingFace directory or a .gguf file.")
-_FORMAT = flags.DEFINE_enum("format", None, ["eagle2", "jakiro", "gumiho", "hf"],
+_FORMAT = flags.DEFINE_enum("format", None, ["eagle2", "jakiro", "jakiro_star", "gumiho", "hf"],
                             "Layout to write: the draft's method, or hf for the target.")
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
 _DTYPE = flags.DEFINE_enum("dtype", "fp32", ["fp32", "fp16"], "Dtype of the draft weights.")
 _SAFETENSORS = flags.DEFINE_bool("safetensors", None, "Write model.safetensors.")
 _BIN = flags.DEFINE_bool("bin", None, "Write pytorch_model.bin (needs torch).")
 _WITH_EMBEDDING = flags.DEFINE_bool(
-    "with_embedding", False, "EAGLE-2/Jakiro: also store the target's embed_tokens.weight "
+    "with_embedding", False, "EAGLE-2/Jakiro/Jakiro*: also store the target's embed_tokens.weight "
     "(always stored for Gumiho).")
 
 

@@ -23,7 +23,7 @@ _PROMPTS = flags.DEFINE_multi_string(
                "Write a Python function that checks whether a number is prime.",
                "Give three tips for staying healthy."],
     "User turn(s); repeat the flag for several.")
-_METHOD = flags.DEFINE_enum("method", None, ["ar", "eagle2", "jakiro", "gumiho"],
+_METHOD = flags.DEFINE_enum("method", None, ["ar", "eagle2", "jakiro", "jakiro_star", "gumiho"],
                             "Generation method (default: the config's default_method).")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft directory (default: the shipped draft).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
@@ -40,7 +40,7 @@ def default_method(config, target_name: str, draft: str | None) -> str:
   if config.get("default_method"):
     return config.default_method
   if draft is not None:
-    raise app.UsageError("--draft needs --method (eagle2, jakiro or gumiho)")
+    raise app.UsageError("--draft needs --method (eagle2, jakiro, jakiro_star or gumiho)")
   for method in ("jakiro", "gumiho", "eagle2"):
     if f"{target_name}-{method}" in SHIPPED_DRAFTS:
       return method

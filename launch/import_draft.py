@@ -1,7 +1,9 @@
 """Import a draft written for the original PyTorch code into our draft directory layout.
 
-  python -m launch.import_draft --src=DIR --format=eagle2|jakiro|gumiho \
+  python -m launch.import_draft --src=DIR --format=eagle2|jakiro|jakiro_star|gumiho \
       --target=smollm2|DIR|file.gguf --out=DIR [--top_k --depth --total_tokens]
+
+(Jakiro* takes no tree flags: its static tree is the original's 26-node choices list.)
 
 DIR holds config.json and `pytorch_model.bin` (needs torch) or `model.safetensors`; if both
 exist the `.bin` is read, as the original loaders do. A `module.` prefix (DDP checkpoints)
@@ -18,7 +20,7 @@ import sys
 from absl import app, flags
 
 _SRC = flags.DEFINE_string("src", None, "Directory in the original layout.")
-_FORMAT = flags.DEFINE_enum("format", None, ["eagle2", "jakiro", "gumiho"],
+_FORMAT = flags.DEFINE_enum("format", None, ["eagle2", "jakiro", "jakiro_star", "gumiho"],
                             "The method whose layout DIR has.")
 _TARGET = flags.DEFINE_string("target", "smollm2",
                               "Target: 'smollm2', a HuggingFace directory or a .gguf file.")

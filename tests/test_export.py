@@ -1,4 +1,4 @@
-"""PyTorch interop of drafts: the original EAGLE-2 / Jakiro / Gumiho layouts, both ways.
+"""PyTorch interop of drafts: the original EAGLE-2 / Jakiro / Jakiro* / Gumiho layouts, both ways.
 
 Checks: JAX -> reference files -> JAX is bit-identical (fp32, .bin and .safetensors); a plain
 torch forward written here from the specs' equations, fed the exported state dict, matches
@@ -32,9 +32,10 @@ CFG = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layer
                   rms_norm_eps=1e-5, max_position_embeddings=512)
 TREES = {"eagle2": TreeConfig(top_k=2, depth=2, total_tokens=6),
          "jakiro": TreeConfig(top_k=2, depth=2, total_tokens=6),
+         "jakiro_star": None,  # from its choices (the original's 26-node tree)
          "gumiho": TreeConfig(top_k=2, depth=3, total_tokens=8)}
 OPTIONS = {"gumiho": dict(mlp_num=2, mlp_topk=3, pruning=3)}
-METHODS = ("eagle2", "jakiro", "gumiho")
+METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
 
 
 def _randomize(tree, seed):
@@ -117,7 +118,12 @@ def test_names_and_config_follow_the_specs(tmp_path, target, drafts):
     for j in range(6):
       gumiho[f"mlp.{i}.{j}.linear.weight"] = (d, 2 * d if j == 0 else d)
       gumiho[f"mlp.{i}.{j}.linear.bias"] = (d,)
-  for method, expected in (("eagle2", eagle2), ("jakiro", jakiro), ("gumiho", gumiho)):
+  star = dict(common, **{"layers.0.mlp_moe.gate.weight": (2, d)})
+  for e in range(2):  # GELU experts: fc [I, H], proj [H, I]
+    star.update({f"layers.0.mlp_moe.experts.{e}.fc.weight": (f, d),
+                 f"layers.0.mlp_moe.experts.{e}.proj.weight": (d, f)})
+  for method, expected in (("eagle2", eagle2), ("jakiro", jakiro), ("jakiro_star", star),
+                           ("gumiho", gumiho)):
     assert {k: a.shape for k, a in states[method].items()} == expected, method
   # Values: fc columns are [embedding ; feature]; the gate keeps its row order.
   np.testing.assert_array_equal(states["jakiro"]["layers.0.mlp_moe.gate.weight"],
@@ -135,6 +141,13 @@ def test_names_and_config_follow_the_specs(tmp_path, target, drafts):
   stored = load_file(tmp_path / "model.safetensors")
   assert "embed_tokens.weight" not in stored  # EAGLE/Jakiro copy it from the base
   assert all(a.dtype == np.float16 for a in stored.values())
+
+  # Jakiro*: the original builds RoPE with base 10000 whatever the config says, and the
+  # experts with the config's intermediate_size.
+  write_reference_dir(tmp_path / "star", *drafts["jakiro_star"])
+  config = json.loads((tmp_path / "star" / "config.json").read_text())
+  assert config["rope_theta"] == 10000.0 and config["intermediate_size"] == f
+  assert config["num_local_experts"] == 2 and config["num_experts_per_tok"] == 2
 
 
 # ---- torch forward from the spec's equations --------------------------------------------------
@@ -186,8 +199,9 @@ def _fc(sd, emb, features):
 def torch_forward(method, sd, cfg, tokens, features):
   """The original draft's forward over a fresh sequence: (hidden, extra).
 
-  eagle2/gumiho: hidden [B, T, D]; jakiro: (x + L, x + R) per spec 1.4. The layer-0 input
-  is not normalised; later layers are pre-norm; no final norm.
+  eagle2/gumiho: hidden [B, T, D]; jakiro: (x + L, x + R) per spec 1.4; jakiro_star:
+  ([x + E_pref, x + E_other] stacked on axis -2, x + w0 E0 + w1 E1) per spec 1.5, RoPE base
+  10000. The layer-0 input is not normalised; later layers are pre-norm; no final norm.
   """
   sd = {k: _t(v) for k, v in sd.items()}
   eps = cfg.rms_norm_eps
@@ -196,8 +210,17 @@ def torch_forward(method, sd, cfg, tokens, features):
   for layer in range(layers):
     p = f"layers.{layer}."
     h = _rms(x, sd[p + "input_layernorm.weight"], eps) if layer else x
-    x = x + _attention(sd, p + "self_attn.", h, cfg)
+    rope_cfg = cfg.replace(rope_theta=10000.0) if method == "jakiro_star" else cfg
+    x = x + _attention(sd, p + "self_attn.", h, rope_cfg)
     h = _rms(x, sd[p + "post_attention_layernorm.weight"], eps)
+    if method == "jakiro_star":
+      g = h @ sd[p + "mlp_moe.gate.weight"].T
+      e0, e1 = (torch.nn.functional.gelu(h @ sd[f"{p}mlp_moe.experts.{e}.fc.weight"].T)
+                @ sd[f"{p}mlp_moe.experts.{e}.proj.weight"].T for e in range(2))
+      w = g.softmax(-1)
+      first = (g[..., 0] > g[..., 1])[..., None]
+      by_preference = torch.stack([torch.where(first, e0, e1), torch.where(first, e1, e0)], -2)
+      return x[..., None, :] + by_preference, x + w[..., :1] * e0 + w[..., 1:] * e1
     if method != "jakiro":
       x = x + _swiglu(sd, p + "mlp.", h)
       continue
@@ -247,9 +270,14 @@ def test_torch_forward_from_exported_state_dict_matches(target, drafts, method):
   both = {"both": True} if method == "jakiro" else {}
   ours, _ = drafter.forward(params, target.params, jnp.asarray(tokens), jnp.asarray(features),
                             positions, cache, mask, **both)
+  if method == "jakiro_star":  # the drafting output, then the training one
+    mixture, _ = drafter.forward(params, target.params, jnp.asarray(tokens),
+                                 jnp.asarray(features), positions, cache, mask, mixture=True)
+    ours = (ours, mixture)
   with torch.no_grad():
     theirs = torch_forward(method, state, CFG, tokens, features)
-  pairs = list(zip(ours, theirs)) if method == "jakiro" else [(ours, theirs)]
+  pairs = (list(zip(ours, theirs)) if method in ("jakiro", "jakiro_star")
+           else [(ours, theirs)])
   if method == "gumiho":
     from gumiho_jax.draft import GumihoDraft
     pair_tokens = tokens[:, :4].reshape(b, 2, 2)
@@ -306,6 +334,11 @@ def test_wrong_method_and_wrong_names(tmp_path, target, drafts):
     read_reference_dir(tmp_path / "j", "gumiho", target)
   with pytest.raises(ValueError, match="is a jakiro checkpoint, not eagle2"):
     read_reference_dir(tmp_path / "j", "eagle2", target)
+  with pytest.raises(ValueError, match="is a jakiro checkpoint, not jakiro_star"):
+    read_reference_dir(tmp_path / "j", "jakiro_star", target)
+  write_reference_dir(tmp_path / "s", *drafts["jakiro_star"], formats=["safetensors"])
+  with pytest.raises(ValueError, match="is a jakiro_star checkpoint, not jakiro"):
+    read_reference_dir(tmp_path / "s", "jakiro", target, TREES["jakiro"])
 
   # Unknown, missing and mis-shaped names are listed (the original loader skips them).
   state = to_reference_state_dict(*drafts["eagle2"])
@@ -401,4 +434,24 @@ def test_command_lines_round_trip(tmp_path, target, drafts):
   assert out.returncode == 0, out.stderr
   back_drafter, back = load_draft(tmp_path / "back", target)
   assert back_drafter == drafter
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+def test_jakiro_star_command_lines_round_trip(tmp_path, target, drafts):
+  target_dir = tmp_path / "target"
+  write_target_hf_dir(target, target_dir)
+  drafter, params = drafts["jakiro_star"]
+  save_draft(tmp_path / "ours", drafter, params)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = lambda module, *args: subprocess.run(  # noqa: E731
+      [sys.executable, "-m", f"launch.{module}", *args], cwd=root,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+  out = run("export", f"--draft={tmp_path / 'ours'}", f"--target={target_dir}",
+            "--format=jakiro_star", f"--out={tmp_path / 'ref'}")
+  assert out.returncode == 0, out.stderr
+  out = run("import_draft", f"--src={tmp_path / 'ref'}", "--format=jakiro_star",
+            f"--target={target_dir}", f"--out={tmp_path / 'back'}")
+  assert out.returncode == 0, out.stderr
+  back_drafter, back = load_draft(tmp_path / "back", target)
+  assert back_drafter == drafter and back_drafter.tree.total_tokens == 27
   jax.tree.map(np.testing.assert_array_equal, back, params)

@@ -24,14 +24,15 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 1, 8)]
-METHODS = ("eagle2", "jakiro", "gumiho")
+METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=1,
             num_heads=8, num_kv_heads=4, head_dim=8, rope_theta=1000.0,
             max_position_embeddings=256)
 # depth 2 keeps the unrolled draft loop (and its compilations) small; Gumiho: 1 serial
-# step + 1 MLP level, pool 2 * 2 + 1 * 2 = 6 nodes.
+# step + 1 MLP level, pool 2 * 2 + 1 * 2 = 6 nodes; Jakiro*: a static tree of the same sizes.
 TREE = dict(top_k=2, depth=2, total_tokens=6)
-DRAFT_OPTIONS = {"eagle2": {}, "jakiro": {}, "gumiho": dict(mlp_num=1, mlp_topk=2, pruning=2)}
+DRAFT_OPTIONS = {"eagle2": {}, "jakiro": {}, "gumiho": dict(mlp_num=1, mlp_topk=2, pruning=2),
+                 "jakiro_star": dict(choices=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))}
 
 
 # ---------------------------------------------------------------- workers (8 devices)

@@ -68,6 +68,7 @@ def test_bench_cli_rejects_bad_question_file(tmp_path):
     ("jakiro", ["--top_k=2", "--depth=2", "--total_tokens=5"]),
     ("gumiho", ["--top_k=2", "--depth=6", "--total_tokens=6"]),  # 1 serial + 5 MLP levels
     ("gumiho", ["--top_k=2", "--depth=6", "--total_tokens=6", "--fta"]),
+    ("jakiro_star", []),  # the static 26-node tree of the config
 ])
 def test_bench_cli_random_draft_is_lossless(tmp_path, method, tree):
   questions = tmp_path / "q.jsonl"
@@ -86,7 +87,8 @@ def test_bench_cli_random_draft_is_lossless(tmp_path, method, tree):
   assert sum(report["accept_counts"]) == report["rounds"]
   for key in ("ar_tokens_per_s", "speedup", "tokens_per_s"):
     assert report[key] > 0
-  assert report["draft_forwards_per_round"] == {"eagle2": 3, "jakiro": 2, "gumiho": 2}[method]
+  assert report["draft_forwards_per_round"] == {"eagle2": 3, "jakiro": 2, "gumiho": 2,
+                                                "jakiro_star": 6}[method]
   assert 0 < report["draft_time_share"] < 1
 
 

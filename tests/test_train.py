@@ -35,7 +35,7 @@ from jakiro_jax.train.data_order import DataOrder, split_rows
 from jakiro_jax.train.features import features_jit
 from jakiro_jax.train.metrics import count_acceptance, draft_chain_tokens, summarize
 from jakiro_jax.train.objectives import (LossSettings, eagle2_objective, gumiho_mlp_outputs,
-                                         gumiho_objective, training_forward)
+                                         gumiho_objective, objective_for, training_forward)
 from jakiro_jax.train.trainer import StepSettings, step_loss, train
 from jakiro_jax.train.vocab_subset import frequent_tokens, head_fn_from, head_matrix
 
@@ -324,14 +324,17 @@ def test_acceptance_counting_by_hand():
   assert report["tau"] == pytest.approx(1 + 0.75 + 0.75 * 1.0)
 
 
-@pytest.mark.parametrize("method", ["jakiro", "gumiho"])
+@pytest.mark.parametrize("method", ["jakiro", "jakiro_star", "gumiho"])
 def test_chain_rollout_matches_top1_drafting(method, tiny_target, feature_set):
   """Validation's rollout equals the drafting code on a top_k = 1 tree (a chain). Jakiro's
-  early levels take the EAGLE-2 path (one forward per level), so EAGLE-2 is covered too."""
+  early levels take the EAGLE-2 path (one forward per level), so EAGLE-2 is covered too;
+  Jakiro*'s chain at T = 0 is its preferred expert's argmax chain."""
   from jakiro_jax.spec.generate import draft_context, draft_tree
   _, target = tiny_target
   _, rows = feature_set
-  options = dict(mlp_num=2, mlp_topk=1, pruning=1) if method == "gumiho" else {}
+  options = {"gumiho": dict(mlp_num=2, mlp_topk=1, pruning=1),
+             "jakiro_star": dict(choices=((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)))
+             }.get(method, {})
   drafter = make_drafter(method, target.config, TreeConfig(top_k=1, depth=3, total_tokens=5),
                          **options)
   params = jax.jit(drafter.init_params)(jax.random.PRNGKey(2))
@@ -409,6 +412,39 @@ def test_loss_decreases_and_validation_reports_alpha(tiny_target, feature_set, t
   assert drafter.name == method
   np.testing.assert_allclose(loaded["params"]["fc"], result.params["params"]["fc"],
                              atol=2e-3, rtol=2e-3)
+
+
+def test_jakiro_star_trains_on_the_expert_sum(tiny_target, feature_set, tmp_path):
+  """Jakiro* through the trainer: its objective (the gate-weighted expert sum), validation
+  along the preferred expert's chain, and a saved draft that keeps its static tree."""
+  target_dir, target = tiny_target
+  data_dir, rows = feature_set
+  choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+  config = _config("configs/smollm2_135m_jakiro_star.py", _tiny_overrides(
+      target_dir, **{"tree.top_k": 3, "tree.depth": 2, "tree.total_tokens": 8,
+                     "draft.choices": choices}, num_steps=4, save_every=100, eval_rows=2,
+      noise=False, vocab_subset=0))
+  result = train(config, data_dir, tmp_path / "run")
+  assert all(np.isfinite(h["loss"]) for h in result.history)
+  (final,) = result.evals
+  assert set(final) >= {"alpha_1", "alpha_2", "alpha_3", "tau"} and "alpha_4" not in final
+  from jakiro_jax.drafts.io import load_draft
+  from jakiro_jax.drafts.jakiro_star import jakiro_star_loss
+  drafter, loaded = load_draft(tmp_path / "run" / "draft", target)
+  assert drafter.name == "jakiro_star" and drafter.choices == tuple(map(tuple, choices))
+  # The objective is `jakiro_star_loss` on the training forward's weighted sum.
+  padded = pad_rows(rows[:2], 2, 64)
+  batch = shift_for_training(padded["input_ids"], padded["features"], padded["loss_mask"],
+                             padded["lengths"])
+  head_fn = _full_head_fn(target)
+  params = result.params
+  loss, terms = objective_for(drafter)(drafter, params, target.params, batch, head_fn, 0,
+                                       LossSettings())
+  mixture = training_forward(drafter, params, target.params, batch.input_ids, batch.features,
+                             mixture=True)
+  expected, _ = jakiro_star_loss(mixture, batch.targets, batch.loss_mask, head_fn)
+  np.testing.assert_allclose(loss, expected, rtol=1e-6)
+  assert set(terms) == {"vloss", "ploss"}
 
 
 def _cli(config_path, overrides, data_dir, out_dir, *extra):

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
 from jakiro_jax.drafts.jakiro import JakiroDrafter
+from jakiro_jax.drafts.jakiro_star import JakiroStarDrafter
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.spec.tree import TreeConfig
 
 from gumiho_jax.draft import GumihoDrafter  # noqa: E402  (builds on the EAGLE-2 drafter)
 
-DRAFTERS = {"eagle2": Eagle2Drafter, "jakiro": JakiroDrafter, "gumiho": GumihoDrafter}
+DRAFTERS = {"eagle2": Eagle2Drafter, "jakiro": JakiroDrafter, "gumiho": GumihoDrafter,
+            "jakiro_star": JakiroStarDrafter}
 
 
-def make_drafter(method: str, target_config: LlamaConfig, tree: TreeConfig = TreeConfig(),
+def make_drafter(method: str, target_config: LlamaConfig, tree: TreeConfig | None = None,
                  **options):
+  """The drafter of `method`; tree None = the method's default (Jakiro*: from its choices)."""
   if method not in DRAFTERS:
     raise ValueError(f"unknown draft method {method!r}; available: {sorted(DRAFTERS)}")
   vocab = options.get("draft_vocab")
@@ -24,7 +27,10 @@ def make_drafter(method: str, target_config: LlamaConfig, tree: TreeConfig = Tre
       raise ValueError(f"draft_vocab must be ascending distinct token ids in "
                        f"[0, {target_config.vocab_size}); got {len(vocab)} ids from "
                        f"{min(vocab)} to {max(vocab)}")
-    if len(vocab) < tree.top_k:
-      raise ValueError(f"draft_vocab holds {len(vocab)} tokens, fewer than top_k={tree.top_k}")
     options = dict(options, draft_vocab=vocab)
-  return DRAFTERS[method](target_config, tree, **options)
+  drafter = DRAFTERS[method](target_config, **({} if tree is None else {"tree": tree}),
+                             **options)
+  if vocab and len(vocab) < drafter.tree.top_k:
+    raise ValueError(f"draft_vocab holds {len(vocab)} tokens, fewer than "
+                     f"top_k={drafter.tree.top_k}")
+  return drafter

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import DecoderLayer, Llama, _matmul_out_in, _weight
-from jakiro_jax.spec.tree import TreeConfig, expand_beam
+from jakiro_jax.spec.tree import Tree, TreeConfig, build_tree, expand_beam
 from jakiro_jax.spec.verify import accept
 
 
@@ -103,6 +103,13 @@ class Eagle2Drafter:
     return expand_beam(
         lambda i, frontier: self.tree_step(i, frontier, run_forward, memo, target_params),
         self.log_probs(target_params, hidden_root), hidden_root, self.tree)
+
+  def draft(self, run_forward, hidden_root, root, draft_params, target_params, sampling,
+            rng) -> Tree:
+    """The round's tree under `root [B]`: `expand`, then the EAGLE-2 rerank. Drafting is
+    deterministic top-k, so `sampling` and `rng` are unused."""
+    candidates = self.expand(run_forward, hidden_root, draft_params, target_params)
+    return build_tree(candidates, root, self.tree.total_tokens, self.tree.depth + 1)
 
   def tree_step(self, i, frontier, run_forward, memo, target_params):
     """Tree step i: one draft forward over the frontier (EAGLE-2)."""

@@ -1,4 +1,4 @@
-"""Directories the original EAGLE-2 / Jakiro / Gumiho code loads: config.json + weights.
+"""Directories the original EAGLE-2 / Jakiro / Jakiro* / Gumiho code loads: config.json + weights.
 
 Weights go to `pytorch_model.bin` (torch.save of a name -> tensor dict; needs torch) and/or
 `model.safetensors` (no torch). The original loaders read `.bin` first when both exist (the
@@ -33,6 +33,7 @@ def reference_config(drafter, dtype: str = "float32") -> dict:
   """The config.json of the original draft (EConfig fields + the extras its loader reads)."""
   cfg = drafter.target_config
   tl.check_reference_compatible(cfg)
+  layer = drafter.layer_config  # Jakiro*: RoPE base 10000 and no q/k/v bias, as it runs
   scaling = dict(cfg.rope_scaling or ())
   config = {
       "architectures": ["LlamaForCausalLM"],
@@ -46,7 +47,7 @@ def reference_config(drafter, dtype: str = "float32") -> dict:
       "num_key_value_heads": cfg.num_kv_heads,
       "max_position_embeddings": cfg.max_position_embeddings,
       "rms_norm_eps": cfg.rms_norm_eps,
-      "rope_theta": cfg.rope_theta,
+      "rope_theta": layer.rope_theta,
       # The reference EConfig accepts exactly {"type", "factor"} with a float factor.
       "rope_scaling": ({"type": "linear", "factor": float(scaling["factor"])}
                        if cfg.rope_type == "linear" else None),
@@ -55,9 +56,9 @@ def reference_config(drafter, dtype: str = "float32") -> dict:
       "torch_dtype": DTYPES[dtype],
       "bias": bool(drafter.fc_bias) or drafter.name == "gumiho",  # fc bias (read from raw JSON)
   }
-  if cfg.attention_bias:  # read with hasattr: only written when true
+  if layer.attention_bias:  # read with hasattr: only written when true
     config["qkv_bias"] = True
-  if drafter.name == "jakiro":  # both MoE blocks read them in __init__
+  if drafter.name in ("jakiro", "jakiro_star"):  # both MoE blocks read them in __init__
     config.update(num_local_experts=2, num_experts_per_tok=2)
   return config
 
@@ -158,8 +159,9 @@ def _read_safetensors(path) -> dict[str, np.ndarray]:
     raise ValueError(f"cannot read {path} (corrupt or truncated?): {e}") from None
 
 
-def _check_config(config: Mapping, cfg, path: str) -> None:
-  """The draft's config.json must describe the target's layer (our drafts mirror it)."""
+def _check_config(config: Mapping, cfg, path: str, rope_theta: float | None = None) -> None:
+  """The draft's config.json must describe the target's layer (our drafts mirror it);
+  `rope_theta`: the draft's own RoPE base where it is not the target's (Jakiro*)."""
   heads = config.get("num_attention_heads")
   theirs = {"vocab_size": config.get("vocab_size"), "hidden_size": config.get("hidden_size"),
             "num_attention_heads": heads,
@@ -167,7 +169,7 @@ def _check_config(config: Mapping, cfg, path: str) -> None:
             "rope_theta": float(config.get("rope_theta") or 10000.0)}
   ours = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-          "rope_theta": cfg.rope_theta}
+          "rope_theta": cfg.rope_theta if rope_theta is None else rope_theta}
   wrong = [f"{k}={theirs[k]} (target: {ours[k]})" for k in ours if theirs[k] != ours[k]]
   if wrong:
     raise ValueError(f"{path} does not match the target: {', '.join(wrong)}")
@@ -198,7 +200,9 @@ def read_reference_dir(src_dir, method: str, target, tree=None, **options):
   if found is not None and found != method:
     raise ValueError(f"{path} is a {found} checkpoint, not {method} (pass --format={found})")
   cfg = target.config
-  _check_config(config, cfg, config_path)
+  from jakiro_jax.drafts.jakiro_star import REFERENCE_ROPE_THETA
+  _check_config(config, cfg, config_path,
+                REFERENCE_ROPE_THETA if method == "jakiro_star" else None)
   layers = int(config.get("num_hidden_layers", 1))
   options = dict(options)
   if method == "gumiho":
@@ -214,7 +218,7 @@ def read_reference_dir(src_dir, method: str, target, tree=None, **options):
       raise ValueError(f"{config_path}: num_hidden_layers={layers}, but {method} drafts "
                        f"have one layer")
     options.setdefault("fc_bias", bool(config.get("bias", True)))
-  drafter = make_drafter(method, cfg, tree or TreeConfig(), **options)
+  drafter = make_drafter(method, cfg, tree, **options)  # None: the method's default tree
   if tl.EMBEDDING in state:
     _check_embedding(state[tl.EMBEDDING], target, path)
   return drafter, tl.from_reference_state_dict(drafter, state)

@@ -10,6 +10,8 @@ Reference names (all Linear weights [out, in], like ours, so the mapping is resh
   eagle2   `layers.0.mlp.{gate,up,down}_proj.weight` (EAGLE cnets1.py)
   jakiro   `layers.0.mlp_moe.gate.weight [4, D]` (rows 0-1 MoE router, 2-3 contrastive),
            `layers.0.mlp_moe.experts.{0,1}.{gate,up,down}_proj.weight [D, D]`
+  jakiro_star `layers.0.mlp_moe.gate.weight [2, D]`, `layers.0.mlp_moe.experts.{0,1}.fc.weight
+           [F, D]` and `.proj.weight [D, F]` (GELU experts, F = intermediate_size)
   gumiho   2 layers with `mlp.*`, heads `mlp.{i}.{j}.linear.{weight,bias}` (gumiho_jax/export.py)
 """
 
@@ -140,18 +142,50 @@ def _jakiro_from(drafter, state):
   return {**fc_from_reference(drafter, state), "layers_0": layer}
 
 
+def _jakiro_star_shapes(drafter):
+  d, f = drafter.target_config.hidden_size, drafter.target_config.intermediate_size
+  shapes = {**fc_shapes(drafter), **layer_shapes(drafter.layer_config, 0, mlp=False),
+            _MOE + "gate.weight": (2, d)}
+  for e in range(2):
+    shapes[f"{_MOE}experts.{e}.fc.weight"] = (f, d)
+    shapes[f"{_MOE}experts.{e}.proj.weight"] = (d, f)
+  return shapes
+
+
+def _jakiro_star_to(drafter, params):
+  layer = params["layers_0"]
+  state = {**fc_to_reference(drafter, params),
+           **layer_to_reference(drafter.layer_config, 0, layer),
+           _MOE + "gate.weight": np.asarray(layer["gate"])}
+  for e in range(2):
+    for name in ("fc", "proj"):
+      state[f"{_MOE}experts.{e}.{name}.weight"] = np.asarray(layer[f"experts_{e}"][name])
+  return state
+
+
+def _jakiro_star_from(drafter, state):
+  layer = layer_from_reference(drafter.layer_config, 0, state, mlp=False)
+  layer["gate"] = state[_MOE + "gate.weight"]
+  for e in range(2):
+    layer[f"experts_{e}"] = {name: state[f"{_MOE}experts.{e}.{name}.weight"]
+                             for name in ("fc", "proj")}
+  return {**fc_from_reference(drafter, state), "layers_0": layer}
+
+
 def _layout(method: str):
   """(shapes, to_reference, from_reference, embedding_required) of one method."""
   if method == "eagle2":
     return _eagle2_shapes, _eagle2_to, _eagle2_from, False
   if method == "jakiro":
     return _jakiro_shapes, _jakiro_to, _jakiro_from, False
+  if method == "jakiro_star":
+    return _jakiro_star_shapes, _jakiro_star_to, _jakiro_star_from, False
   if method == "gumiho":
     from gumiho_jax import export as gumiho_export
     return (gumiho_export.reference_shapes, gumiho_export.to_reference,
             gumiho_export.from_reference, True)
   raise ValueError(f"no PyTorch layout for draft method {method!r}; "
-                   f"available: eagle2, jakiro, gumiho")
+                   f"available: eagle2, jakiro, jakiro_star, gumiho")
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -233,6 +267,8 @@ def from_reference_state_dict(drafter, state: Mapping, dtype: str | None = None)
 
 def guess_method(state: Mapping) -> str | None:
   """Which original layout a state dict has, from its names (None if none fits)."""
+  if _MOE + "experts.0.fc.weight" in state:  # GELU experts (fc/proj)
+    return "jakiro_star"
   if any(k.startswith(_MOE) for k in state):
     return "jakiro"
   if any(k.startswith("mlp.") for k in state):  # Gumiho's parallel heads

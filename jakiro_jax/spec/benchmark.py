@@ -16,6 +16,9 @@ def read_questions(path: str, limit: int) -> list[str]:
   return read_prompts(path, limit)
 
 
+INFERENCE_OPTIONS = ("fta", "choices", "reference_parity", "mlp_topk", "pruning")  # not learnt
+
+
 def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
                   options: dict | None = None):
   """(drafter, params) from a directory, a shipped name, 'random' or the shipped default."""
@@ -34,17 +37,21 @@ def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
                        f"pass --draft=DIR, or --draft=random for an untrained (lossless, "
                        f"slow) draft")
     draft = name
-  drafter, params = load_draft(draft, target, tree)
+  # Inference-time options (the tree shape, flags) override what the draft was saved with,
+  # like the config's tree; Jakiro*'s tree follows its choices, so it is re-derived from them.
+  # Architecture options must match the draft.
+  options = dict(options or {})
+  inference = {k: v for k, v in options.items() if k in INFERENCE_OPTIONS}
+  drafter, params = load_draft(draft, target, None if "choices" in inference else tree)
   if drafter.name != method:
     raise ValueError(f"draft {draft} is a {drafter.name} draft, not {method}")
-  # Tree-shape options come from the config, like the tree; architecture must match the draft.
-  options = dict(options or {})
   for arch in ("mlp_num",):
-    if arch in options and options.pop(arch) != getattr(drafter, arch):
+    if arch in options and options[arch] != getattr(drafter, arch):
       raise ValueError(f"draft {draft} has {arch}={getattr(drafter, arch)}, the config asks "
-                       f"for a different value; set it to the draft's")
-  drafter = dataclasses.replace(
-      drafter, **{k: v for k, v in options.items() if k in ("fta", "mlp_topk", "pruning")})
+                       f"for {options[arch]}; set it to the draft's")
+  if inference:
+    drafter = dataclasses.replace(drafter, **inference,
+                                  **({"tree": None} if "choices" in inference else {}))
   return drafter, params
 
 
@@ -99,6 +106,7 @@ def spec_report(target, drafter, params, prompts, ar: dict, max_new_tokens: int,
   accepts = [a for r in runs for a in r.accept_lens[0]]
   report = dict(
       draft=draft_name, fta=bool(getattr(drafter, "fta", False)),
+      reference_parity=bool(getattr(drafter, "reference_parity", False)),
       top_k_tree=tree.top_k, depth=tree.depth, total_tokens=tree.total_tokens,
       new_tokens=new_tokens, seconds=sum(seconds), tokens_per_s=new_tokens / sum(seconds),
       median_tokens_per_s=statistics.median(len(o) / s for o, s in zip(outputs, seconds)),
@@ -124,11 +132,30 @@ def base_report(method: str, target, prompts, max_new_tokens: int, sampling, ar:
           **{k: v for k, v in ar.items() if k not in ("outputs", "seconds")}}
 
 
-def tree_and_options(config, method: str, fta: bool = False, **overrides):
-  """The tree and drafter options of `method` from the config (Gumiho has its own block)."""
+def tree_and_options(config, method: str, fta: bool = False, reference_parity: bool = False,
+                     **overrides):
+  """The tree and drafter options of `method` from the config (Gumiho has its own block;
+  Jakiro*'s static tree is `config.jakiro_star.choices`, default the original's).
+  `reference_parity` (jakiro, jakiro_star): the original code's behaviour; for Jakiro* at
+  T > 0 that is its acceptance rule, which does not preserve the target distribution."""
+  from jakiro_jax.spec.static_tree import JAKIRO_STAR_CHOICES, normalize_choices, static_tree
   from jakiro_jax.spec.tree import TreeConfig
 
   options = {}
+  if reference_parity:
+    if method not in ("jakiro", "jakiro_star"):
+      raise ValueError("reference_parity applies to methods jakiro and jakiro_star only")
+    options["reference_parity"] = True
+  if method == "jakiro_star":
+    if fta:
+      raise ValueError("fta applies to method gumiho only")
+    given = sorted(k for k, v in overrides.items() if v is not None)
+    if given:
+      raise ValueError(f"Jakiro* drafts a static tree given by config.jakiro_star.choices; "
+                       f"{', '.join(given)} do not apply")
+    block = config.get("jakiro_star")
+    choices = normalize_choices(block["choices"] if block else JAKIRO_STAR_CHOICES)
+    return static_tree(choices).tree_config(), dict(options, choices=choices)
   if method == "gumiho":
     tree_cfg = dict(config.gumiho)
     options = {k: tree_cfg.pop(k) for k in ("mlp_num", "mlp_topk", "pruning")}

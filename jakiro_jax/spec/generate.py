@@ -27,7 +27,7 @@ from jakiro_jax.models.llama import Llama, new_cache
 from jakiro_jax.spec.autoregressive import is_stop_token, prefill
 from jakiro_jax.spec.batching import prepare_batch
 from jakiro_jax.spec.sampling import SamplingConfig, sample_token
-from jakiro_jax.spec.tree import Tree, build_tree
+from jakiro_jax.spec.tree import Tree
 from jakiro_jax.spec.verify import commit_path
 
 TRACE_COUNT: collections.Counter = collections.Counter()
@@ -39,6 +39,7 @@ class SpecState:
   rounds: jax.Array  # [] int32
   root: jax.Array  # [B] last sampled token, not yet in the target cache
   draft_hidden: jax.Array  # [B, D] draft output that predicts the token after root
+  #                          ([B, 2, D] for Jakiro*: both experts' outputs)
   tokens: jax.Array  # [B, max_new] output, pad after a row stops
   num_generated: jax.Array  # [B]
   done: jax.Array  # [B] bool
@@ -66,12 +67,15 @@ def draft_context(drafter, draft_params, target_params, tokens, features, count,
 
 
 def draft_tree(drafter, draft_params, target_params, hidden_root, root,
-               cache: KVCache) -> tuple[Tree, KVCache]:
-  """EAGLE-2 style drafting from the draft output after the root; cache lengths unchanged.
+               cache: KVCache, sampling: SamplingConfig = SamplingConfig(),
+               rng: jax.Array | None = None) -> tuple[Tree, KVCache]:
+  """One round's tree from the draft output after the root; cache lengths unchanged.
 
-  The drafter's `expand(run_forward, hidden_root, draft_params, target_params)` returns the
-  scored candidates; `run_forward(i, frontier, **kw)` runs the draft over a frontier of K
-  nodes at tree step i (RoPE position n + i, draft slots n + i*K ..).
+  The drafter's `draft(run_forward, hidden_root, root, draft_params, target_params,
+  sampling, rng)` returns the tree (EAGLE-2: scored candidates, then the rerank;
+  Jakiro*: candidates sampled on a static tree with `rng`); `run_forward(i, frontier, **kw)`
+  runs the draft over a frontier of at most K nodes at tree step i (RoPE position n + i,
+  draft slots n + i*K ..).
   """
   tree_cfg = drafter.tree
   k = tree_cfg.top_k
@@ -89,8 +93,9 @@ def draft_tree(drafter, draft_params, target_params, hidden_root, root,
     scratch["cache"] = new.replace(lengths=context)
     return out
 
-  candidates = drafter.expand(run_forward, hidden_root, draft_params, target_params)
-  tree = build_tree(candidates, root, tree_cfg.total_tokens, tree_cfg.depth + 1)
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  tree = drafter.draft(run_forward, hidden_root, root, draft_params, target_params, sampling,
+                       rng)
   return tree, scratch["cache"]
 
 
@@ -135,15 +140,16 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
     return ~jnp.all(s.done) & (s.rounds < max_new_tokens)
 
   def body(s: SpecState):
+    round_rng = jax.random.fold_in(rng, s.rounds + 1)
     tree, draft_cache = draft_tree(drafter, draft_params, target_params, s.draft_hidden,
-                                   s.root, s.draft_cache)
+                                   s.root, s.draft_cache, sampling,
+                                   jax.random.fold_in(round_rng, 1))  # sampled drafts
     cache = s.target_cache
     visible, plan = drafter.verification_plan(tree)
     mask = tree_mask(cache.lengths, visible, cache.max_len)
     logits, features, cache = model.apply(
         target_params, tree.tokens, cache.lengths[:, None] + tree.depth, cache, mask)
-    result = drafter.accept(tree, plan, logits, sampling,
-                            jax.random.fold_in(rng, s.rounds + 1))
+    result = drafter.accept(tree, plan, logits, sampling, round_rng)
     active = ~s.done
     advance = jnp.where(active, result.accept_len + 1, 0)
     cache = commit_path(cache, result.path, advance)

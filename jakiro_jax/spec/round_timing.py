@@ -16,7 +16,6 @@ from jakiro_jax.models.kv_cache import tree_mask
 from jakiro_jax.models.llama import Llama, new_cache
 from jakiro_jax.spec.generate import draft_context, draft_tree
 from jakiro_jax.spec.sampling import SamplingConfig
-from jakiro_jax.spec.verify import accept
 
 
 def _median_ms(fn, *args, repeats: int = 7) -> float:
@@ -44,7 +43,7 @@ def round_split(target, drafter, draft_params, context_len: int,
     root_hidden, cache = draft_context(drafter, draft_params, target_params, tokens,
                                        features, count, cache)
     tree, _ = draft_tree(drafter, draft_params, target_params, root_hidden, tokens[:, 0],
-                         cache.replace(lengths=lengths))
+                         cache.replace(lengths=lengths), sampling)
     return tree
 
   draft_cache = drafter.new_cache(1, max_len).replace(lengths=lengths - width)
@@ -54,10 +53,11 @@ def round_split(target, drafter, draft_params, context_len: int,
   model = Llama(target.config)
 
   def verify_part(target_params, tree, cache):
-    mask = tree_mask(cache.lengths, tree.ancestor, cache.max_len)
+    visible, plan = drafter.verification_plan(tree)
+    mask = tree_mask(cache.lengths, visible, cache.max_len)
     logits, _, _ = model.apply(target_params, tree.tokens, cache.lengths[:, None] + tree.depth,
                                cache, mask)
-    return accept(tree, logits, sampling, jax.random.PRNGKey(0), tree_cfg.max_path).path
+    return drafter.accept(tree, plan, logits, sampling, jax.random.PRNGKey(0)).path
 
   target_cache = new_cache(target.config, 1, max_len).replace(lengths=lengths)
   draft_ms = _median_ms(draft_jit, draft_params, target.params, draft_cache)

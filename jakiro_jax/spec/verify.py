@@ -38,11 +38,17 @@ def accept(tree: Tree, logits: jax.Array, sampling: SamplingConfig, rng: jax.Arr
   `use_residual=False` keeps rejected tokens in p: a known way to get speculative
   sampling wrong, kept only so the statistical tests can show they detect it.
   """
-  rows = jnp.arange(tree.tokens.shape[0])
   if sampling.greedy:
     current, bonus = _greedy_walk(tree, logits)
   else:
     current, bonus = _sampling_walk(tree, logits, sampling, rng, use_residual)
+  return acceptance(tree, current, bonus, max_path)
+
+
+def acceptance(tree: Tree, current: jax.Array, bonus: jax.Array,
+               max_path: int) -> Acceptance:
+  """The `Acceptance` of a walk that ended at node `current [B]` with token `bonus [B]`."""
+  rows = jnp.arange(tree.tokens.shape[0])
   accept_len = tree.depth[rows, current]
   on_path = tree.ancestor[rows, current]  # [B, N]
   path = jnp.stack([

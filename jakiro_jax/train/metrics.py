@@ -8,7 +8,8 @@ Definition (a top-1 chain per start position, all starts of a row in parallel):
   path: level 1 from the context forward at t, then each further step consumes (its
   parent's output, its parent's top-1 token) at position t + k, attending to the context
   up to t and to its own chain. K = tree.depth + 1, the levels a tree round drafts:
-  EAGLE-2 one forward per level; Jakiro its hybrid step (levels 1..D from the left output,
+  EAGLE-2 one forward per level (Jakiro* too, along its preferred expert's argmax chain,
+  the rank-0 path of its T = 0 tree); Jakiro its hybrid step (levels 1..D from the left output,
   level D+1 from the right output of the forward that gave level D); Gumiho the serial
   levels, then the MLP heads fed with the last two serial levels.
 * The target's token at depth k is g_{t+k} = argmax head(f_{t+k}) (full vocabulary), its
@@ -65,6 +66,12 @@ def _chain_step(drafter, params, target_params, tokens, hidden, k, cache, length
   return out, cache
 
 
+def _chain_hidden(name: str, out: jax.Array) -> jax.Array:
+  """The draft output a chain continues from: Jakiro*'s `[B, T, 2, D]` -> its preferred
+  expert (the rank-0 child at T = 0 is that expert's argmax, and drafting carries it)."""
+  return out[:, :, 0] if name == "jakiro_star" else out
+
+
 def draft_chain_tokens(drafter, params, target_params, input_ids, features, head):
   """Top-1 drafted tokens `[K, B, T]` for every start t (see the module docstring).
 
@@ -73,13 +80,14 @@ def draft_chain_tokens(drafter, params, target_params, input_ids, features, head
   batch, length = input_ids.shape
   depth = drafter.tree.depth
   name = drafter.name
-  steps = {"eagle2": depth, "jakiro": depth - 1,
+  steps = {"eagle2": depth, "jakiro": depth - 1, "jakiro_star": depth,
            "gumiho": getattr(drafter, "serial_steps", 0)}[name]
   cache = drafter.new_cache(batch, (steps + 1) * length)
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
   mask = causal_mask(jnp.zeros((batch,), jnp.int32), length, cache.max_len)
   hidden, cache = drafter.forward(params, target_params, input_ids, features, positions,
                                   cache, mask)
+  hidden = _chain_hidden(name, hidden)
   hiddens, tokens = [hidden], [head_argmax(hidden, head)]
   for k in range(1, steps + 1):
     if name == "jakiro" and k == steps:  # one forward, two levels
@@ -89,6 +97,7 @@ def draft_chain_tokens(drafter, params, target_params, input_ids, features, head
       break
     hidden, cache = _chain_step(drafter, params, target_params, tokens[-1], hiddens[-1], k,
                                 cache, length)
+    hidden = _chain_hidden(name, hidden)
     hiddens.append(hidden)
     tokens.append(head_argmax(hidden, head))
   if name == "gumiho":  # MLP heads read (level s, its hidden) and (level s+1, its hidden)

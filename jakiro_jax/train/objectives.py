@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from jakiro_jax.drafts.jakiro import jakiro_loss
+from jakiro_jax.drafts.jakiro_star import jakiro_star_loss
 from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.train.collate import TrainBatch
 from jakiro_jax.train.losses import feature_losses
@@ -51,7 +52,8 @@ class LossSettings:
 
 def training_forward(drafter, params, target_params, input_ids, features, **kwargs):
   """The draft over whole sequences: input_ids `[B, T]`, features `[B, T, D]` -> the
-  drafter's forward output (hidden `[B, T, D]`, or Jakiro's (left, right) with both=True)."""
+  drafter's forward output (hidden `[B, T, D]`, or Jakiro's (left, right) with both=True,
+  or Jakiro*'s weighted expert sum `[B, T, D]` with mixture=True)."""
   batch, length = input_ids.shape
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
   mask = causal_mask(jnp.zeros((batch,), jnp.int32), length, length)
@@ -77,6 +79,16 @@ def jakiro_objective(drafter, params, target_params, batch: TrainBatch, head_fn,
   return jakiro_loss(left, right, batch.targets, batch.loss_mask, head_fn,
                      v_weight=settings.v_weight, p_weight=settings.p_weight,
                      contrast_weight=settings.contrast_weight)
+
+
+def jakiro_star_objective(drafter, params, target_params, batch: TrainBatch, head_fn, epoch,
+                          settings: LossSettings):
+  """Jakiro*: EAGLE's loss on the gate-weighted sum of the two experts (`jakiro_star_loss`);
+  drafting then uses the experts one by one."""
+  mixture = training_forward(drafter, params, target_params, batch.input_ids, batch.features,
+                             mixture=True)
+  return jakiro_star_loss(mixture, batch.targets, batch.loss_mask, head_fn,
+                          v_weight=settings.v_weight, p_weight=settings.p_weight)
 
 
 def _shift(x: jax.Array, k: int) -> jax.Array:
@@ -153,7 +165,7 @@ def gumiho_objective(drafter, params, target_params, batch: TrainBatch, head_fn,
 
 
 OBJECTIVES = {"eagle2": eagle2_objective, "jakiro": jakiro_objective,
-              "gumiho": gumiho_objective}
+              "jakiro_star": jakiro_star_objective, "gumiho": gumiho_objective}
 
 
 def objective_for(drafter):

@@ -64,7 +64,7 @@ RESUMABLE_CHANGES = ("log_every", "eval_every", "eval_rows", "save_every",
 def default_config() -> ml_collections.ConfigDict:
   """Every training setting with its default; experiment files override a few."""
   c = ml_collections.ConfigDict()
-  c.method = "eagle2"  # eagle2 | jakiro | gumiho
+  c.method = "eagle2"  # eagle2 | jakiro | jakiro_star | gumiho
   c.target = "smollm2"  # embedded name, HF model directory or .gguf file
   c.dtype = "float32"
   c.tree = ml_collections.ConfigDict(dict(top_k=10, depth=5, total_tokens=60))
