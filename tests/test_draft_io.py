@@ -1,5 +1,6 @@
 """Our own draft directory layout: round trip and clear errors."""
 
+import dataclasses
 import json
 
 import jax
@@ -75,6 +76,15 @@ def test_config_tree_options_apply_to_a_loaded_gumiho_draft(tmp_path, tiny_pair)
   loaded, _ = resolve_draft(target, "gumiho", str(tmp_path), tree,
                             options={"mlp_num": 3, "mlp_topk": 2, "pruning": 4, "fta": True})
   assert (loaded.mlp_topk, loaded.pruning, loaded.fta, loaded.mlp_num) == (2, 4, True, 3)
+  # A larger tree that the saved options could not fill is built with the config's options.
+  big = TreeConfig(top_k=3, depth=4, total_tokens=16)
+  with pytest.raises(ValueError, match="pool"):
+    make_drafter("gumiho", target.config, big, mlp_num=3, mlp_topk=5, pruning=1)
+  save_draft(tmp_path, dataclasses.replace(drafter, pruning=1),
+             drafter.init_params(jax.random.PRNGKey(0)))
+  loaded, _ = resolve_draft(target, "gumiho", str(tmp_path), big,
+                            options={"mlp_num": 3, "mlp_topk": 5, "pruning": 4})
+  assert (loaded.tree, loaded.pruning) == (big, 4)
   with pytest.raises(ValueError, match="has mlp_num=3"):
     resolve_draft(target, "gumiho", str(tmp_path), tree, options={"mlp_num": 5})
   with pytest.raises(ValueError, match="is a gumiho draft, not eagle2"):

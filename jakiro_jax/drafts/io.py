@@ -66,8 +66,13 @@ def save_draft(out_dir, drafter, params, dtype: str | None = None) -> None:
     json.dump(meta, f, indent=2)
 
 
-def load_draft(source, target, tree: TreeConfig | None = None):
-  """Returns `(drafter, params)` for a draft directory (or a shipped draft's name)."""
+def load_draft(source, target, tree: TreeConfig | None = None,
+               overrides: dict | None = None):
+  """Returns `(drafter, params)` for a draft directory (or a shipped draft's name).
+
+  `tree` and `overrides` (inference-time drafter options, e.g. Gumiho's mlp_topk) replace
+  what the draft was saved with; the drafter is validated with them applied.
+  """
   from safetensors import SafetensorError
   from safetensors.numpy import load_file
 
@@ -81,9 +86,11 @@ def load_draft(source, target, tree: TreeConfig | None = None):
     if meta.get(field) != ours:
       raise ValueError(f"draft {source} was built for {field}={meta.get(field)}, "
                        f"the target has {ours}")
-  tree = tree or TreeConfig(**meta.get("tree", {}))
+  if tree is None and "choices" not in (overrides or {}):  # a static tree follows its choices
+    tree = TreeConfig(**meta.get("tree", {}))
   options = {k: tuple(v) if isinstance(v, list) else v  # JSON lists back to hashable tuples
              for k, v in meta.get("options", {}).items()}
+  options.update(overrides or {})
   drafter = make_drafter(meta["method"], target.config, tree, **options)
   try:
     flat = load_file(os.path.join(source, "model.safetensors"))

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -42,16 +41,14 @@ def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
   # Architecture options must match the draft.
   options = dict(options or {})
   inference = {k: v for k, v in options.items() if k in INFERENCE_OPTIONS}
-  drafter, params = load_draft(draft, target, None if "choices" in inference else tree)
+  drafter, params = load_draft(draft, target, None if "choices" in inference else tree,
+                               overrides=inference)
   if drafter.name != method:
     raise ValueError(f"draft {draft} is a {drafter.name} draft, not {method}")
   for arch in ("mlp_num",):
     if arch in options and options[arch] != getattr(drafter, arch):
       raise ValueError(f"draft {draft} has {arch}={getattr(drafter, arch)}, the config asks "
                        f"for {options[arch]}; set it to the draft's")
-  if inference:
-    drafter = dataclasses.replace(drafter, **inference,
-                                  **({"tree": None} if "choices" in inference else {}))
   return drafter, params
 
 
