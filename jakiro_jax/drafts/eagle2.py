@@ -126,20 +126,21 @@ class Eagle2Drafter:
   def accept(self, tree, plan, logits, sampling, rng):
     return accept(tree, logits, sampling, rng, self.tree.max_path)
 
-  def log_probs(self, target_params, hidden):
-    """Draft log-probs through the target's lm_head: `[..., D]` -> `[..., V]`.
-
-    With a draft vocabulary the softmax runs over its K tokens and every other token gets
-    a large negative score, so top-k never picks it.
-    """
+  def head_logits(self, target_params, hidden):
+    """`[..., D]` -> fp32 logits `[..., V]` through the target's lm_head; with a draft
+    vocabulary only its K rows are multiplied and every other token gets -1e30, so softmax
+    and top-k never pick it."""
     if not self.draft_vocab:
       logits = Llama(self.target_config).apply(target_params, hidden, method=Llama.logits)
-      return jax.nn.log_softmax(logits, axis=-1)
+      return logits.astype(jnp.float32)
     params = target_params["params"]
     head = (params["embed_tokens"]["embedding"] if self.target_config.tie_word_embeddings
             else params["lm_head"])
     ids = jnp.asarray(self.draft_vocab, jnp.int32)
-    logp = jax.nn.log_softmax(
-        jnp.einsum("...D,KD->...K", hidden, head[ids]).astype(jnp.float32), axis=-1)
+    sub = jnp.einsum("...D,KD->...K", hidden, head[ids]).astype(jnp.float32)
     full = jnp.full(hidden.shape[:-1] + (self.target_config.vocab_size,), -1e30, jnp.float32)
-    return full.at[..., ids].set(logp)
+    return full.at[..., ids].set(sub)
+
+  def log_probs(self, target_params, hidden):
+    """Draft log-probs `[..., D]` -> `[..., V]` (see `head_logits`)."""
+    return jax.nn.log_softmax(self.head_logits(target_params, hidden), axis=-1)

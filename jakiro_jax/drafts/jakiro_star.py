@@ -60,7 +60,6 @@ from jakiro_jax.spec.verify import accept
 from jakiro_jax.train.losses import feature_losses
 
 REFERENCE_ROPE_THETA = 10000.0  # the original Jakiro* ignores the config's rope_theta
-NEG = -1e30  # logit of tokens outside a draft vocabulary
 
 
 def expert_outputs(gate_logits, expert0, expert1):
@@ -183,20 +182,6 @@ class JakiroStarDrafter(Eagle2Drafter):
     experts, mixed, cache = self.module().apply(params, embeds, features, positions, cache,
                                                 mask)
     return (mixed if mixture else experts), cache
-
-  def head_logits(self, target_params, hidden):
-    """`[..., D]` -> fp32 logits `[..., V]` through the target's lm_head; with a draft
-    vocabulary only its K rows are multiplied and the other tokens get -1e30."""
-    if not self.draft_vocab:
-      logits = Llama(self.target_config).apply(target_params, hidden, method=Llama.logits)
-      return logits.astype(jnp.float32)
-    params = target_params["params"]
-    head = (params["embed_tokens"]["embedding"] if self.target_config.tie_word_embeddings
-            else params["lm_head"])
-    ids = jnp.asarray(self.draft_vocab, jnp.int32)
-    sub = jnp.einsum("...D,KD->...K", hidden, head[ids]).astype(jnp.float32)
-    full = jnp.full(hidden.shape[:-1] + (self.target_config.vocab_size,), NEG, jnp.float32)
-    return full.at[..., ids].set(sub)
 
   def draw_children(self, logits, count: int, sampling, key):
     """Expert logits `[B, n, 2, V]` of n expanded nodes -> (children `[B, n, C]` in draw
