@@ -12,7 +12,11 @@ from jakiro_jax.spec.autoregressive import generate_ar
 from jakiro_jax.spec.generate import generate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-METHODS = ("eagle2", "jakiro", "gumiho")
+METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
+# An untrained draft accepts tau 1.0 here. EAGLE-2/Jakiro/Gumiho (trained on the full
+# self-distilled set) accept about 2.3-3 tokens a round on these prompts; Jakiro* saw 9% of
+# that data and accepts 1.6.
+MIN_TAU = {"eagle2": 2.0, "jakiro": 2.0, "jakiro_star": 1.4, "gumiho": 2.0}
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many "
            "clips in May. How many clips did Natalia sell altogether in April and May?",
            "Give three tips for staying healthy."]
@@ -29,21 +33,22 @@ def test_shipped_draft_is_lossless_and_accepts_tokens(smollm2, method):
   prompts = [smollm2.chat_prompt(p) for p in PROMPTS]
   spec = generate(smollm2, drafter, params, prompts, max_new_tokens=32)
   assert spec.tokens == generate_ar(smollm2, prompts, max_new_tokens=32).tokens
-  # An untrained draft stays near tau 1; the shipped ones accept about 2.3-3 tokens a round.
-  assert spec.tau >= 2.0, spec.tau
+  assert spec.tau >= MIN_TAU[method], spec.tau
 
 
-def test_shipped_draft_exports_by_name_and_imports_back(tmp_path, smollm2):
+@pytest.mark.parametrize("method", ["eagle2", "jakiro_star"])
+def test_shipped_draft_exports_by_name_and_imports_back(tmp_path, smollm2, method):
   ref = tmp_path / "ref"
-  subprocess.run([sys.executable, "-m", "launch.export", "--draft=smollm2-eagle2",
-                  "--target=smollm2", "--format=eagle2", f"--out={ref}", "--dtype=fp16",
+  subprocess.run([sys.executable, "-m", "launch.export", f"--draft=smollm2-{method}",
+                  "--target=smollm2", f"--format={method}", f"--out={ref}", "--dtype=fp16",
                   "--safetensors", "--nobin"], check=True, capture_output=True, cwd=REPO)
   back = tmp_path / "back"
   subprocess.run([sys.executable, "-m", "launch.import_draft", f"--src={ref}",
-                  "--format=eagle2", "--target=smollm2", f"--out={back}"],
+                  f"--format={method}", "--target=smollm2", f"--out={back}"],
                  check=True, capture_output=True, cwd=REPO)
-  _, shipped = load_draft("smollm2-eagle2", smollm2)
-  _, imported = load_draft(back, smollm2)
+  shipped_drafter, shipped = load_draft(f"smollm2-{method}", smollm2)
+  imported_drafter, imported = load_draft(back, smollm2)
+  assert imported_drafter.name == shipped_drafter.name == method
   shipped, imported = dict(_leaves(shipped)), dict(_leaves(imported))
   assert set(imported) == set(shipped)
   for name, value in imported.items():

@@ -21,7 +21,7 @@ from jakiro_jax.spec.tree import TreeConfig
 # ("Training"), fp16, without the target's embedding and lm_head.
 SHIPPED_DRAFTS: dict[str, str] = {
     f"smollm2-{method}": f"assets/drafts/smollm2-{method}"
-    for method in ("eagle2", "jakiro", "gumiho")
+    for method in ("eagle2", "jakiro", "jakiro_star", "gumiho")
 }
 
 
