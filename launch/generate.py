@@ -2,11 +2,18 @@
 
   python -m launch.generate --config=configs/smollm2_135m.py \
       --prompt="What is the capital of France?" --max_new_tokens=64 [--method=jakiro]
+  python -m launch.generate --questions=../shared/data/eval/gsm8k.jsonl --max_questions=5
 
 Each prompt runs once with our jitted AR loop and once with the speculative loop (both
 after an untimed compile); the last line reports tokens/s, tau (mean tokens per target
 forward) and the speedup. The draft is the one shipped for the config's target (or
 --draft=DIR); --method=ar runs the AR loop alone.
+
+--tree=auto (the default) picks the tree with the most expected tokens/s on this device
+(`jakiro_jax/spec/tree_tuning.py`: round and AR-step timings with acceptance on a small
+calibration set, cached per device, target, method, draft, dtype and sampling). If no tree
+beats the AR loop, it says so and decodes with AR. --tree=config takes the config's tree;
+--tree=TOP_K,DEPTH,TOTAL_TOKENS a given one.
 """
 
 from __future__ import annotations
@@ -31,6 +38,16 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_TREE = flags.DEFINE_string(
+    "tree", "auto", "auto (tuned on this device, cached; may choose AR), config (the "
+    "config's tree) or TOP_K,DEPTH,TOTAL_TOKENS.")
+_RETUNE = flags.DEFINE_bool("retune", False, "--tree=auto: measure again, ignoring the cache.")
+_QUESTIONS = flags.DEFINE_string("questions", None, "FastChat .jsonl questions to answer "
+                                 "instead of --prompt.")
+_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 5, "With --questions: the first N.")
+_PROMPT_IDS = flags.DEFINE_multi_string(
+    "prompt_ids", None, "Token-id prompts (comma-separated ids, no chat template) instead "
+    "of --prompt; for targets without a tokenizer.")
 
 
 def default_method(config, target_name: str, draft: str | None) -> str:
@@ -50,9 +67,28 @@ def default_method(config, target_name: str, draft: str | None) -> str:
   return "ar"
 
 
+def parse_tree_flag(value: str):
+  """'auto', 'config' or a TreeConfig from 'TOP_K,DEPTH,TOTAL_TOKENS'."""
+  from jakiro_jax.spec.tree import TreeConfig
+  if value in ("auto", "config"):
+    return value
+  try:
+    top_k, depth, total = (int(v) for v in value.split(","))
+    return TreeConfig(top_k, depth, total)
+  except ValueError as e:
+    raise app.UsageError(f"--tree must be auto, config or TOP_K,DEPTH,TOTAL_TOKENS "
+                         f"(e.g. 1,3,5); got {value!r}: {e}") from None
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  tree_flag = parse_tree_flag(_TREE.value)
+  if _MAX_NEW.value < 1:
+    raise app.UsageError(f"--max_new_tokens must be >= 1, got {_MAX_NEW.value}")
+  if _MAX_QUESTIONS.value < 1:
+    raise app.UsageError(f"--max_questions must be >= 1, got {_MAX_QUESTIONS.value}")
+  import jax
   from jakiro_jax.spec.autoregressive import generate_ar
   from jakiro_jax.spec.generate import generate
   from jakiro_jax.spec.sampling import SamplingConfig
@@ -61,19 +97,54 @@ def main(argv):
 
   config = _CONFIG.value
   sampling = SamplingConfig(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
+  texts = _PROMPTS.value
+  id_prompts = None
+  if _PROMPT_IDS.value:
+    try:
+      id_prompts = [[int(t) for t in p.split(",")] for p in _PROMPT_IDS.value]
+    except ValueError:
+      raise app.UsageError(f"--prompt_ids takes comma-separated integers, got "
+                           f"{_PROMPT_IDS.value}") from None
+    texts = _PROMPT_IDS.value
+  elif _QUESTIONS.value:
+    from jakiro_jax.spec.benchmark import read_questions
+    texts = read_questions(_QUESTIONS.value, _MAX_QUESTIONS.value)
+  device = jax.devices()[0]
+  print(f"device: {device.device_kind} ({device.platform}, {jax.device_count()} "
+        f"device(s))", file=sys.stderr)
   print(f"loading target {config.target} ({config.dtype}) ...", file=sys.stderr)
   target = load_target(config.target, dtype=config.dtype)
   method = _METHOD.value or default_method(config, target.name, _DRAFT.value)
   drafter = None
+  auto_note = ""
   if method != "ar":
     tree, options = tree_and_options(config, method)
+    if not isinstance(tree_flag, str):
+      if method == "jakiro_star":
+        raise app.UsageError("jakiro_star drafts the static tree of "
+                             "config.jakiro_star.choices; use --tree=auto or config")
+      tree = tree_flag
     drafter, params = resolve_draft(target, method, _DRAFT.value, tree, _SEED.value, options)
-    print(f"{method} draft: {_DRAFT.value or 'shipped'}, tree top_k {tree.top_k} depth "
-          f"{tree.depth} total_tokens {tree.total_tokens}", file=sys.stderr)
-  prompts = [target.chat_prompt(p, config.system_prompt or None) for p in _PROMPTS.value]
+    if tree_flag == "auto":
+      from jakiro_jax.spec.tree_tuning import apply_choice, tune_tree
+      tuning = tune_tree(target, method, _DRAFT.value, sampling=sampling,
+                         use_cache=not _RETUNE.value, loaded=(drafter, params))
+      print(tuning.summary() + (" (cached; --retune measures again)" if tuning.cached
+                                else ""), file=sys.stderr)
+      if tuning.choice is None:
+        auto_note = f" (tree=auto: no {method} tree beats the AR loop on this device)"
+        drafter = None
+      else:
+        drafter = apply_choice(drafter, tuning.choice)
+    if drafter is not None:
+      tree = drafter.tree
+      print(f"{method} draft: {_DRAFT.value or 'shipped'}, tree top_k {tree.top_k} depth "
+            f"{tree.depth} total_tokens {tree.total_tokens}", file=sys.stderr)
+  prompts = id_prompts or [target.chat_prompt(p, config.system_prompt or None) for p in texts]
+  show = (lambda ids: target.decode(ids)) if target.tokenizer is not None else str
   ar_tokens = ar_seconds = spec_tokens = spec_seconds = 0.0
   accepts = []
-  for i, (text, prompt) in enumerate(zip(_PROMPTS.value, prompts)):
+  for i, (text, prompt) in enumerate(zip(texts, prompts)):
     seed = _SEED.value + i
     generate_ar(target, [prompt], _MAX_NEW.value, sampling, seed=seed)  # compile
     ar = generate_ar(target, [prompt], _MAX_NEW.value, sampling, seed=seed)
@@ -84,19 +155,23 @@ def main(argv):
       out = generate(target, drafter, params, [prompt], _MAX_NEW.value, sampling, seed=seed)
       spec_tokens, spec_seconds = spec_tokens + out.num_tokens, spec_seconds + out.seconds
       accepts += out.accept_lens[0]
-    print(f"\n>>> {text}\n{target.decode(out.tokens[0])}")
+    print(f"\n>>> {text}\n{show(out.tokens[0])}")
     line = f"[{out.num_tokens} tokens in {out.seconds:.2f} s: {out.tokens_per_s:.1f} tokens/s"
     if drafter is not None:
       line += f", tau {out.tau:.2f}; AR loop {ar.tokens_per_s:.1f} tokens/s"
     print(line + "]")
   ar_rate = ar_tokens / ar_seconds
   if drafter is None:
-    print(f"\nmethod=ar target={target.name} tokens/s={ar_rate:.1f}")
+    line = f"\nmethod=ar target={target.name} device={device.platform} tokens/s={ar_rate:.1f}"
+    if auto_note:  # the AR loop is what runs: same loop as the baseline
+      line += f" tau=1.00 ar_tokens/s={ar_rate:.1f} speedup=1.00x{auto_note}"
+    print(line)
     return
   rate = spec_tokens / spec_seconds
   tau = 1.0 + sum(accepts) / max(len(accepts), 1)
-  print(f"\nmethod={method} target={target.name} tokens/s={rate:.1f} tau={tau:.2f} "
-        f"ar_tokens/s={ar_rate:.1f} speedup={rate / ar_rate:.2f}x")
+  print(f"\nmethod={method} target={target.name} device={device.platform} "
+        f"tokens/s={rate:.1f} tau={tau:.2f} ar_tokens/s={ar_rate:.1f} "
+        f"speedup={rate / ar_rate:.2f}x")
 
 
 if __name__ == "__main__":

@@ -105,8 +105,8 @@ def test_missing_shipped_draft_says_so(smollm2, monkeypatch):
 def test_generate_cli_with_a_draft_reports_tau_and_speedup(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "launch.generate", f"--config={CONFIG}", "--method=eagle2",
-       "--draft=random", "--prompt=Hi", "--max_new_tokens=6"],
+       "--draft=random", "--tree=config", "--prompt=Hi", "--max_new_tokens=6"],
       capture_output=True, text=True, cwd=REPO, check=True)
   last = proc.stdout.strip().splitlines()[-1]
-  assert last.startswith("method=eagle2 target=smollm2 tokens/s=")
+  assert last.startswith("method=eagle2 target=smollm2 device=cpu tokens/s=")
   assert " tau=" in last and " speedup=" in last
