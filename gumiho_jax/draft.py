@@ -25,7 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.drafts.eagle2 import Eagle2Drafter, fc_params, fuse_token_and_feature
+from jakiro_jax.drafts.eagle2 import (Eagle2Drafter, draft_layer_config, fc_params,
+                                     fuse_token_and_feature)
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import DecoderLayer, Llama, _matmul_out_in, _weight
@@ -118,7 +119,7 @@ class GumihoDrafter(Eagle2Drafter):
 
   @property
   def layer_config(self) -> LlamaConfig:
-    return self.target_config.replace(num_layers=self.num_layers)
+    return draft_layer_config(self.target_config, self.num_layers)
 
   def module(self) -> GumihoDraft:
     return GumihoDraft(self.layer_config, self.mlp_num, self.fc_bias)

@@ -168,9 +168,10 @@ def test_bad_configs_and_state_dicts_raise(tmp_path, tiny_pair):
     config_from_hf({"model_type": "gpt2", "hidden_size": 8})
   with pytest.raises(ValueError, match="missing the field 'num_attention_heads'"):
     config_from_hf({"model_type": "llama", "hidden_size": 8})
-  with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+  with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported: "
+                     "transformers rescales"):
     config_from_hf(dict(tiny_hf_model().config.to_dict(),
-                        rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+                        rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
   model, target = tiny_pair
   state = {k: v.numpy() for k, v in model.state_dict().items()}
   del state["model.layers.1.mlp.up_proj.weight"]

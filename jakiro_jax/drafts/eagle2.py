@@ -21,9 +21,11 @@ from jakiro_jax.spec.tree import Tree, TreeConfig, build_tree, expand_beam
 from jakiro_jax.spec.verify import accept
 
 
-def draft_layer_config(target: LlamaConfig) -> LlamaConfig:
-  """The draft decoder layer mirrors the target's layer shapes."""
-  return target.replace(num_layers=1)
+def draft_layer_config(target: LlamaConfig, num_layers: int = 1, **changes) -> LlamaConfig:
+  """The draft decoder layers mirror the target's layer shapes, with full attention and
+  no o_proj/MLP biases, as the original draft layers have (their layouts hold none)."""
+  return target.replace(num_layers=num_layers, attention_out_bias=False, mlp_bias=False,
+                        sliding_window=None, sliding_layers=(), **changes)
 
 
 def fc_params(module: nn.Module, cfg: LlamaConfig, fc_bias: bool):

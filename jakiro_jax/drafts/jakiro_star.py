@@ -48,7 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.drafts.eagle2 import Eagle2Drafter, fc_params, fuse_token_and_feature
+from jakiro_jax.drafts.eagle2 import (Eagle2Drafter, draft_layer_config, fc_params,
+                                     fuse_token_and_feature)
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Attention, Llama, RMSNorm, _matmul_out_in, _weight
 from jakiro_jax.spec.multidraft import (MultiDraftTree, accept_multidraft, accept_reference,
@@ -168,8 +169,8 @@ class JakiroStarDrafter(Eagle2Drafter):
 
   @property
   def layer_config(self) -> LlamaConfig:
-    return self.target_config.replace(num_layers=1, rope_theta=REFERENCE_ROPE_THETA,
-                                      attention_bias=False)
+    return draft_layer_config(self.target_config, rope_theta=REFERENCE_ROPE_THETA,
+                              attention_bias=False)
 
   def module(self) -> JakiroStarDraft:
     return JakiroStarDraft(self.layer_config, self.fc_bias)

@@ -27,7 +27,7 @@ def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
   for i in range(cfg.num_layers):
     p = _HF_LAYER.format(i=i)
     shapes.update(attention_hf_shapes(cfg, p + "self_attn."))
-    shapes.update(mlp_hf_shapes(d, f, p + "mlp."))
+    shapes.update(mlp_hf_shapes(d, f, p + "mlp.", cfg.mlp_bias))
     shapes.update({p + "input_layernorm.weight": (d,),
                    p + "post_attention_layernorm.weight": (d,)})
   return shapes
@@ -45,14 +45,22 @@ def attention_hf_shapes(cfg: LlamaConfig, prefix: str) -> dict[str, tuple[int, .
   if cfg.attention_bias:
     shapes.update({prefix + "q_proj.bias": (q,), prefix + "k_proj.bias": (kv,),
                    prefix + "v_proj.bias": (kv,)})
+  if cfg.attention_out_bias:
+    shapes[prefix + "o_proj.bias"] = (d,)
   return shapes
 
 
-def mlp_hf_shapes(hidden: int, intermediate: int, prefix: str) -> dict[str, tuple[int, ...]]:
+def mlp_hf_shapes(hidden: int, intermediate: int, prefix: str,
+                  bias: bool = False) -> dict[str, tuple[int, ...]]:
   """Shapes of one SwiGLU block's HF keys (`prefix` ends with "mlp.")."""
-  return {prefix + "gate_proj.weight": (intermediate, hidden),
-          prefix + "up_proj.weight": (intermediate, hidden),
-          prefix + "down_proj.weight": (hidden, intermediate)}
+  shapes = {prefix + "gate_proj.weight": (intermediate, hidden),
+            prefix + "up_proj.weight": (intermediate, hidden),
+            prefix + "down_proj.weight": (hidden, intermediate)}
+  if bias:
+    shapes.update({prefix + "gate_proj.bias": (intermediate,),
+                   prefix + "up_proj.bias": (intermediate,),
+                   prefix + "down_proj.bias": (hidden,)})
+  return shapes
 
 
 def attention_from_hf(cfg: LlamaConfig, get, prefix: str) -> dict:
@@ -68,6 +76,8 @@ def attention_from_hf(cfg: LlamaConfig, get, prefix: str) -> dict:
         get(prefix + "q_proj.bias").reshape(kv, g, hd),
         get(prefix + "k_proj.bias").reshape(kv, 1, hd),
         get(prefix + "v_proj.bias").reshape(kv, 1, hd)], axis=1)
+  if cfg.attention_out_bias:
+    attn["o_bias"] = get(prefix + "o_proj.bias")
   return attn
 
 
@@ -85,21 +95,34 @@ def attention_to_hf(cfg: LlamaConfig, attn: Mapping, prefix: str) -> dict[str, n
     state[prefix + "q_proj.bias"] = bias[:, :g].reshape(q)
     state[prefix + "k_proj.bias"] = bias[:, g].reshape(kvd)
     state[prefix + "v_proj.bias"] = bias[:, g + 1].reshape(kvd)
+  if cfg.attention_out_bias:
+    state[prefix + "o_proj.bias"] = np.asarray(attn["o_bias"])
   return state
 
 
-def mlp_from_hf(get, prefix: str) -> dict:
-  """HF gate/up/down -> our `{"gate_up" [2, F, D], "down" [D, F]}`."""
-  return {"gate_up": np.stack([get(prefix + "gate_proj.weight"),
-                               get(prefix + "up_proj.weight")]),
-          "down": get(prefix + "down_proj.weight")}
+def mlp_from_hf(get, prefix: str, bias: bool = False) -> dict:
+  """HF gate/up/down -> our `{"gate_up" [2, F, D], "down" [D, F]}` (+ biases
+  `gate_up_bias [2, F]`, `down_bias [D]`)."""
+  mlp = {"gate_up": np.stack([get(prefix + "gate_proj.weight"),
+                              get(prefix + "up_proj.weight")]),
+         "down": get(prefix + "down_proj.weight")}
+  if bias:
+    mlp["gate_up_bias"] = np.stack([get(prefix + "gate_proj.bias"),
+                                    get(prefix + "up_proj.bias")])
+    mlp["down_bias"] = get(prefix + "down_proj.bias")
+  return mlp
 
 
 def mlp_to_hf(mlp: Mapping, prefix: str) -> dict[str, np.ndarray]:
   """The inverse of `mlp_from_hf`."""
   gate_up = np.asarray(mlp["gate_up"])
-  return {prefix + "gate_proj.weight": gate_up[0], prefix + "up_proj.weight": gate_up[1],
-          prefix + "down_proj.weight": np.asarray(mlp["down"])}
+  state = {prefix + "gate_proj.weight": gate_up[0], prefix + "up_proj.weight": gate_up[1],
+           prefix + "down_proj.weight": np.asarray(mlp["down"])}
+  if "gate_up_bias" in mlp:
+    bias = np.asarray(mlp["gate_up_bias"])
+    state.update({prefix + "gate_proj.bias": bias[0], prefix + "up_proj.bias": bias[1],
+                  prefix + "down_proj.bias": np.asarray(mlp["down_bias"])})
+  return state
 
 
 def check_hf_state_dict(cfg: LlamaConfig, state: Mapping[str, np.ndarray],
@@ -144,7 +167,7 @@ def params_from_hf(cfg: LlamaConfig, state: Mapping[str, np.ndarray]) -> dict:
         "input_norm": {"scale": get(m + "input_layernorm.weight")},
         "post_attention_norm": {"scale": get(m + "post_attention_layernorm.weight")},
         "attn": attention_from_hf(cfg, get, m + "self_attn."),
-        "mlp": mlp_from_hf(get, m + "mlp."),
+        "mlp": mlp_from_hf(get, m + "mlp.", cfg.mlp_bias),
     }
   return {"params": params}
 

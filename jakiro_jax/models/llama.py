@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.models.config import LlamaConfig, rope_inverse_frequencies
+from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
+                                     rope_inverse_frequencies)
 from jakiro_jax.models.kv_cache import KVCache
 
 _INIT_STDDEV = 0.02  # HF initializer_range default
@@ -65,13 +66,17 @@ class RMSNorm(nn.Module):
     return scale * x32.astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """Rotate-half RoPE. x `[B, T, ..., H]`, positions `[B, T]`, inv_freq `[H/2]`."""
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+               scale: float = 1.0) -> jax.Array:
+  """Rotate-half RoPE. x `[B, T, ..., H]`, positions `[B, T]`, inv_freq `[H/2]`; `scale`
+  multiplies cos and sin (YaRN's attention factor)."""
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
   angles = jnp.concatenate([angles, angles], axis=-1)
   extra = x.ndim - angles.ndim
   angles = angles.reshape(angles.shape[:2] + (1,) * extra + angles.shape[2:])
   cos, sin = jnp.cos(angles), jnp.sin(angles)
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
@@ -94,8 +99,9 @@ class Attention(nn.Module):
                           ("kv_heads", None, "head_dim"), cfg.dtype,
                           nn.initializers.zeros)
     inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))
-    q = apply_rope(qkv[:, :, :, :g], positions, inv_freq)  # [B, T, K, G, H]
-    k_new = apply_rope(qkv[:, :, :, g], positions, inv_freq)  # [B, T, K, H]
+    scale = rope_attention_factor(cfg)
+    q = apply_rope(qkv[:, :, :, :g], positions, inv_freq, scale)  # [B, T, K, G, H]
+    k_new = apply_rope(qkv[:, :, :, g], positions, inv_freq, scale)  # [B, T, K, H]
     v_new = qkv[:, :, :, g + 1]
 
     slots = cache.write_slots(x.shape[1])  # [B, T]
@@ -103,6 +109,13 @@ class Attention(nn.Module):
     k_all = cache.k.at[self.layer, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
     v_all = cache.v.at[self.layer, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
     keys, values = k_all[self.layer], v_all[self.layer]  # [B, S, K, H]
+    window = cfg.window_of(self.layer)
+    if window is not None:
+      # Committed slot s holds position s; this call's tokens sit at their positions.
+      key_positions = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32),
+                                       (x.shape[0], cache.max_len))
+      key_positions = key_positions.at[rows, slots].set(positions, mode="drop")
+      mask = mask & (key_positions[:, None, :] > positions[:, :, None] - window)
 
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys).astype(jnp.float32)
     scores = scores * (hd ** -0.5)
@@ -112,6 +125,8 @@ class Attention(nn.Module):
     o_w = _weight(self, "o", (d, kv, g, hd), ("embed", "kv_heads", None, "head_dim"),
                   cfg.dtype)
     out = _matmul_out_in(out, o_w, in_dims=3)
+    if cfg.attention_out_bias:
+      out = out + _weight(self, "o_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
     return out, cache.replace(k=k_all, v=v_all)
 
 
@@ -120,16 +135,24 @@ class MLP(nn.Module):
   hidden_size: int
   intermediate_size: int
   dtype: str = "float32"
+  bias: bool = False
 
   @nn.compact
   def __call__(self, x):
     gate_up_w = _weight(self, "gate_up", (2, self.intermediate_size, self.hidden_size),
                         (None, "mlp", "embed"), self.dtype)
     gate_up = _matmul_out_in(x, gate_up_w, in_dims=1)  # [B, T, 2, F]
+    if self.bias:
+      gate_up = gate_up + _weight(self, "gate_up_bias", (2, self.intermediate_size),
+                                  (None, "mlp"), self.dtype, nn.initializers.zeros)
     h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
     down_w = _weight(self, "down", (self.hidden_size, self.intermediate_size),
                      ("embed", "mlp"), self.dtype)
-    return _matmul_out_in(h, down_w, in_dims=1)
+    out = _matmul_out_in(h, down_w, in_dims=1)
+    if self.bias:
+      out = out + _weight(self, "down_bias", (self.hidden_size,), ("embed",), self.dtype,
+                          nn.initializers.zeros)
+    return out
 
 
 class DecoderLayer(nn.Module):
@@ -144,7 +167,8 @@ class DecoderLayer(nn.Module):
     h, cache = Attention(cfg, self.layer, name="attn")(h, positions, cache, mask)
     x = x + h
     h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_attention_norm")(x)
-    x = x + MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, name="mlp")(h)
+    x = x + MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, cfg.mlp_bias,
+                name="mlp")(h)
     return x, cache
 
 
