@@ -21,6 +21,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from launch import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "Experiment config file.", lock_config=True)
 _QUESTIONS = flags.DEFINE_list("questions", None, "FastChat .jsonl files (one category each).")
@@ -55,6 +57,8 @@ def main(argv):
   from jakiro_jax.spec.sampling import SamplingConfig
   from jakiro_jax.target import load_target
 
+  cli.require_positive(max_questions=_MAX_QUESTIONS.value, max_new_tokens=_MAX_NEW.value)
+  cli.require_files(questions=_QUESTIONS.value)
   config = _CONFIG.value
   methods = _METHODS.value
   drafts = _DRAFTS.value or [None] * len(methods)
@@ -109,4 +113,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

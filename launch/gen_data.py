@@ -20,6 +20,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from launch import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "Experiment config file (target, system prompt).",
                                           lock_config=True)
@@ -54,6 +56,7 @@ def main(argv):
   from jakiro_jax.train.data import read_prompts
   from jakiro_jax.train.distill_data import GenDataSettings, make_feature_set
 
+  cli.require_files(prompts=_PROMPTS.value)
   config = _CONFIG.value
   settings = GenDataSettings(
       responses=_RESPONSES.value, max_new_tokens=_MAX_NEW.value, max_len=_MAX_LEN.value,
@@ -76,4 +79,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -23,6 +23,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from launch import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "Experiment config file.", lock_config=True)
 _PROMPTS = flags.DEFINE_multi_string(
@@ -84,10 +86,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   tree_flag = parse_tree_flag(_TREE.value)
-  if _MAX_NEW.value < 1:
-    raise app.UsageError(f"--max_new_tokens must be >= 1, got {_MAX_NEW.value}")
-  if _MAX_QUESTIONS.value < 1:
-    raise app.UsageError(f"--max_questions must be >= 1, got {_MAX_QUESTIONS.value}")
+  cli.require_positive(max_new_tokens=_MAX_NEW.value, max_questions=_MAX_QUESTIONS.value)
+  cli.require_files(questions=_QUESTIONS.value)
+  if _DRAFT.value and _DRAFT.value != "random" and _METHOD.value != "ar":
+    cli.require_draft(_DRAFT.value, _METHOD.value)
   import jax
   from jakiro_jax.spec.autoregressive import generate_ar
   from jakiro_jax.spec.generate import generate
@@ -175,4 +177,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from launch import cli
+
 _RESULTS = flags.DEFINE_string("results", None, "Directory of eval_suite JSON results.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Which temperature's results to plot.")
 _OUT = flags.DEFINE_string("out", None, "PNG file to write.")
@@ -76,4 +78,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -17,6 +17,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from launch import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "Experiment config file.", lock_config=True)
 _SLOTS = flags.DEFINE_list("slots", ["128", "512", "2048"], "Cache sizes to time.")
@@ -78,4 +80,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -17,6 +17,8 @@ import os
 
 from absl import app, flags
 
+from launch import cli
+
 _PRESET = flags.DEFINE_enum("preset", "llama2_7b", ["llama2_7b", "llama31_8b"],
                             "Architecture when no --hf_config is given.")
 _HF_CONFIG = flags.DEFINE_string("hf_config", None, "A HuggingFace config.json instead.")
@@ -91,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -23,6 +23,8 @@ import subprocess
 
 from absl import app, flags
 
+from launch import cli
+
 _TPU_NAME = flags.DEFINE_string("tpu_name", None, "Name of the TPU VM slice.")
 _ZONE = flags.DEFINE_string("zone", None, "Zone of the slice, e.g. us-west4-a.")
 _PROJECT = flags.DEFINE_string("project", None, "GCP project (default: gcloud's).")
@@ -105,4 +107,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

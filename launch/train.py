@@ -19,6 +19,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from launch import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _DATA = flags.DEFINE_string("data", None, "Feature set directory (launch.gen_data).")
@@ -48,4 +50,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -1,0 +1,78 @@
+"""What every entry point shares: one-line answers to user errors, checks of flags before
+anything heavy loads.
+
+`cli.run(main)` replaces `absl.app.run(main)`: a user error (a bad flag value, a missing
+file, a config that does not fit) ends with one line `error: ...` on stderr and exit code
+2, no traceback; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+_DEBUG = flags.DEFINE_bool("debug", False, "Show the full traceback of an error.")
+
+# Exceptions whose message names the user's mistake. Anything else is a bug: traceback.
+USER_ERRORS = (app.UsageError, ValueError, FileNotFoundError, NotADirectoryError,
+               IsADirectoryError, FileExistsError, PermissionError)
+
+
+def run(main) -> None:
+  """`app.run(main)` with user errors answered in one line (exit 2)."""
+  def guarded(argv):
+    try:
+      return main(argv)
+    except USER_ERRORS as e:
+      if _DEBUG.value:
+        raise
+      message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      hint = "" if isinstance(e, app.UsageError) else " (--debug shows the traceback)"
+      print(f"error: {message}{hint}", file=sys.stderr)
+      sys.exit(2)
+  app.run(guarded)
+
+
+def require_positive(**values) -> None:
+  """UsageError naming the first flag whose value is < 1."""
+  for name, value in values.items():
+    if value is not None and value < 1:
+      raise app.UsageError(f"--{name} must be >= 1, got {value}")
+
+
+def require_files(**paths) -> None:
+  """UsageError naming the first flag whose file(s) do not exist (lists allowed)."""
+  for name, value in paths.items():
+    for path in ([value] if isinstance(value, str) else value or []):
+      if not os.path.isfile(path):
+        raise app.UsageError(f"--{name}: no such file {path}")
+
+
+def require_draft(draft: str, method: str | None = None) -> None:
+  """UsageError unless `draft` is a shipped draft's name or a draft directory (of
+  `method`, when given); read before the target loads."""
+  import json
+
+  import jakiro_jax
+  from jakiro_jax.drafts.io import SHIPPED_DRAFTS
+  directory = (os.path.join(os.path.dirname(jakiro_jax.__file__), SHIPPED_DRAFTS[draft])
+               if draft in SHIPPED_DRAFTS else draft)
+  meta_path = os.path.join(directory, "draft.json")
+  if not os.path.isfile(meta_path):
+    raise app.UsageError(f"--draft={draft} is neither a shipped draft "
+                         f"({', '.join(sorted(SHIPPED_DRAFTS))}) nor a draft directory "
+                         f"(no draft.json)")
+  try:
+    with open(meta_path) as f:
+      saved = json.load(f).get("method")
+  except (OSError, ValueError) as e:
+    raise app.UsageError(f"--draft={draft}: unreadable draft.json ({e})") from None
+  if method and saved != method:
+    raise app.UsageError(f"--draft={draft} is a draft of method {saved}, not {method}")
+
+
+def check_unexpected(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
