@@ -131,6 +131,8 @@ def main(argv):
       from jakiro_jax.spec.tree_tuning import apply_choice, tune_tree
       tuning = tune_tree(target, method, _DRAFT.value, sampling=sampling,
                          use_cache=not _RETUNE.value, loaded=(drafter, params))
+      if not tuning.cached:
+        print(tuning.table(), file=sys.stderr)
       print(tuning.summary() + (" (cached; --retune measures again)" if tuning.cached
                                 else ""), file=sys.stderr)
       if tuning.choice is None:

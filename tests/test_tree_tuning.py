@@ -84,6 +84,9 @@ def test_calibration_measures_acceptance_and_caches(peaky_target, tmp_path, monk
   assert result.choice == TreeChoice.from_json(best)
   assert result.expected_speedup == pytest.approx(
       best["expected_tokens_per_s"] * result.ar_step_ms / 1e3)
+  table = result.table()
+  assert "| top_k 1 depth 3 total_tokens 5 |" in table and "| 5.00 |" in table
+  assert table.count("\n") == 2 + 1 + len(grid)  # header, AR, one row per candidate
 
   # The second call reads the cache and measures nothing.
   def no_measuring(*args, **kwargs):

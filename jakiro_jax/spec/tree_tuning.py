@@ -132,6 +132,25 @@ class TuningResult:
     return cls(data["method"], data["device_kind"], data["platform"], data["ar_step_ms"],
                data["context_len"], data["candidates"], choice, cached)
 
+  def table(self) -> str:
+    """Markdown: one row per candidate (round cost in AR steps, calibrated tau, expected
+    tokens/s), AR first."""
+    lines = ["| tree | round ms | round / AR step | tau (calibration) | expected tokens/s |",
+             "|---|---|---|---|---|",
+             f"| AR (one step) | {self.ar_step_ms:.1f} | 1.00 | 1.00 | "
+             f"{self.ar_tokens_per_s:.1f} |"]
+    for row in self.candidates:
+      label = TreeChoice.from_json(row).label()
+      if "round_ms" not in row:
+        lines.append(f"| {label} | - | - | - | skipped: {row.get('skipped', '')} |")
+        continue
+      tau = "-" if row.get("tau") is None else f"{row['tau']:.2f}"
+      rate = ("not calibrated: cannot win" if row.get("expected_tokens_per_s") is None
+              else f"{row['expected_tokens_per_s']:.1f}")
+      lines.append(f"| {label} | {row['round_ms']:.1f} | {row['round_in_ar_steps']:.2f} | "
+                   f"{tau} | {rate} |")
+    return "\n".join(lines) + "\n"
+
   def summary(self) -> str:
     if self.choice is None:
       return (f"tree tuning on {self.device_kind}: no tree beats the AR loop "
