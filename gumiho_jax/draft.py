@@ -31,9 +31,12 @@ from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import DecoderLayer, Llama, _matmul_out_in, _weight
 from gumiho_jax.fta import accept_rows_greedy, full_tree_attention
-from jakiro_jax.spec.tree import Candidates, Frontier, level_one, topk_level
+from jakiro_jax.spec.tree import Candidates, Frontier, TreeConfig, level_one, topk_level
 
 MLP_BLOCKS = 6
+# The paper's tree (and the original code's defaults, with mlp_num 5, mlp_topk 35,
+# pruning 35): the generic default (depth 5) leaves no serial step before 5 MLP heads.
+DEFAULT_TREE = TreeConfig(top_k=14, depth=6, total_tokens=64)
 
 
 class GumihoDraft(nn.Module):
@@ -89,6 +92,7 @@ class MLPHead(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class GumihoDrafter(Eagle2Drafter):
+  tree: TreeConfig = DEFAULT_TREE
   mlp_num: int = 5
   mlp_topk: int = 35
   pruning: int = 35

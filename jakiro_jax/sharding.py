@@ -239,14 +239,30 @@ def shard_target(target, mesh: Mesh):
 
 def initialize_distributed(environ=None) -> bool:
   """`jax.distributed.initialize()` when this process is one of several hosts, before any
-  other JAX call. Several hosts means: JAX_COORDINATOR_ADDRESS is set (jax reads it with
-  JAX_NUM_PROCESSES and JAX_PROCESS_ID), or JAKIRO_MULTIHOST=1 (set by launch/tpu_pod.py;
-  on TPU pods and SLURM jax finds the coordinator itself). A no-op on one host."""
+  other JAX call. Several hosts means: JAX_COORDINATOR_ADDRESS is set (with
+  JAX_NUM_PROCESSES and JAX_PROCESS_ID, read here: jax itself reads only the address), or
+  JAKIRO_MULTIHOST=1 (set by launch/tpu_pod.py; on TPU pods and SLURM jax finds the
+  coordinator itself). A no-op on one host.
+
+  On CPU the processes' collectives go over gloo (jax's default CPU collectives): e.g. two
+  local processes with 2 fake devices each (XLA_FLAGS=--xla_force_host_platform_device_count=2)
+  and JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 (and 1)
+  run `python -m launch.train ...` on 4 devices (tests/test_multiprocess.py).
+  """
   import os
   environ = os.environ if environ is None else environ
   if not (environ.get("JAX_COORDINATOR_ADDRESS") or environ.get("JAKIRO_MULTIHOST") == "1"):
     return False
-  jax.distributed.initialize()
+  given = {}
+  for name, key, kind in (("coordinator_address", "JAX_COORDINATOR_ADDRESS", str),
+                          ("num_processes", "JAX_NUM_PROCESSES", int),
+                          ("process_id", "JAX_PROCESS_ID", int)):
+    if environ.get(key):
+      try:
+        given[name] = kind(environ[key])
+      except ValueError:
+        raise ValueError(f"{key} must be an integer, got {environ[key]!r}") from None
+  jax.distributed.initialize(**given)
   return True
 
 

@@ -46,9 +46,11 @@ class Target:
     ids = [i for i in ids if i not in self.stop_ids]
     return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-  def save_hf(self, out_dir: str | os.PathLike) -> None:
-    """Writes a HuggingFace directory (config.json, safetensors, tokenizer files)."""
-    convert.write_hf_dir(self.config, self.params, out_dir, tokenizer=self.tokenizer)
+  def save_hf(self, out_dir: str | os.PathLike, overwrite: bool = False) -> None:
+    """Writes a HuggingFace directory (config.json, safetensors, tokenizer files), all at
+    once; a non-empty `out_dir` is refused unless `overwrite` (`convert.write_hf_dir`)."""
+    convert.write_hf_dir(self.config, self.params, out_dir, tokenizer=self.tokenizer,
+                         overwrite=overwrite)
 
 
 def _stop_ids(hf_config: Mapping[str, Any], tokenizer) -> tuple[int, ...]:

@@ -1,8 +1,8 @@
 """Export a draft to the directory layout the original PyTorch code loads, or a target to HF.
 
   python -m launch.export --draft=DIR --target=smollm2 --format=jakiro --out=DIR \
-      [--dtype=fp16|fp32] [--safetensors] [--bin] [--with_embedding]
-  python -m launch.export --target=smollm2|DIR|file.gguf --format=hf --out=DIR
+      [--dtype=fp16|fp32] [--safetensors] [--bin] [--with_embedding] [--overwrite]
+  python -m launch.export --target=smollm2|DIR|file.gguf --format=hf --out=DIR [--overwrite]
 
 --draft is one of our draft directories (`draft.json` + `model.safetensors`) or the name of
 a shipped draft (`jakiro_jax/drafts/io.py: SHIPPED_DRAFTS`); --format must be its method
@@ -15,6 +15,11 @@ Gumiho gets the `.bin` (its loader reads nothing else), the others the safetenso
 --format=hf writes the target as a HuggingFace directory (config.json, safetensors,
 tokenizer) plus `model.safetensors.index.json`, through which the original draft code
 reads the base embedding.
+
+--out is written all at once (a temporary sibling renamed into place): a non-empty --out is
+refused unless --overwrite, which replaces it whole once the export is complete, so no file
+of an earlier export (an old shard index, an old pytorch_model.bin) stays beside the new
+ones, and a failed export leaves the old directory as it was.
 """
 
 from __future__ import annotations
@@ -35,16 +40,22 @@ _BIN = flags.DEFINE_bool("bin", None, "Write pytorch_model.bin (needs torch).")
 _WITH_EMBEDDING = flags.DEFINE_bool(
     "with_embedding", False, "EAGLE-2/Jakiro/Jakiro*: also store the target's embed_tokens.weight "
     "(always stored for Gumiho).")
+_OVERWRITE = flags.DEFINE_bool(
+    "overwrite", False, "Replace a non-empty --out (removed once the new export is complete).")
 
 
 def export_draft(draft: str, target_source: str, method: str, out: str, dtype: str = "fp32",
-                 formats=None, with_embedding: bool = False) -> list[str]:
+                 formats=None, with_embedding: bool = False,
+                 overwrite: bool = False) -> list[str]:
   """Loads our draft for the target and writes the reference directory; returns the paths."""
+  from jakiro_jax.atomic_dir import check_destination
   from jakiro_jax.drafts.io import load_draft
   from jakiro_jax.export import write_reference_dir
+  from jakiro_jax.export.reference_dir import draft_vocab_warning
   from jakiro_jax.export.torch_layout import embedding_required
   from jakiro_jax.target import load_target
 
+  check_destination(out, overwrite, "--overwrite")  # before the target loads
   print(f"loading target {target_source} ...", file=sys.stderr)
   target = load_target(target_source, with_tokenizer=False)
   drafter, params = load_draft(draft, target)
@@ -56,15 +67,21 @@ def export_draft(draft: str, target_source: str, method: str, out: str, dtype: s
   embedding = None
   if with_embedding or embedding_required(method):
     embedding = target.params["params"]["embed_tokens"]["embedding"]
-  return write_reference_dir(out, drafter, params, embedding, dtype, formats)
+  paths = write_reference_dir(out, drafter, params, embedding, dtype, formats, overwrite)
+  warning = draft_vocab_warning(drafter)
+  if warning:
+    print(f"warning: {warning}", file=sys.stderr)
+  return paths
 
 
-def export_target(target_source: str, out: str) -> None:
+def export_target(target_source: str, out: str, overwrite: bool = False) -> None:
+  from jakiro_jax.atomic_dir import check_destination
   from jakiro_jax.export import write_target_hf_dir
   from jakiro_jax.target import load_target
 
+  check_destination(out, overwrite, "--overwrite")  # before the target loads
   print(f"loading target {target_source} ...", file=sys.stderr)
-  write_target_hf_dir(load_target(target_source), out)
+  write_target_hf_dir(load_target(target_source), out, overwrite)
 
 
 def main(argv):
@@ -76,15 +93,17 @@ def main(argv):
     if _FORMAT.value == "hf":
       if _DRAFT.value:
         raise app.UsageError("--format=hf exports the target; drop --draft")
-      export_target(_TARGET.value, _OUT.value)
+      export_target(_TARGET.value, _OUT.value, _OVERWRITE.value)
       print(f"wrote the target {_TARGET.value} to {_OUT.value}")
       return
     if not _DRAFT.value:
       raise app.UsageError(f"--format={_FORMAT.value} needs --draft=DIR (or a shipped name)")
     formats = [f for f, flag in (("bin", _BIN), ("safetensors", _SAFETENSORS)) if flag.value]
     paths = export_draft(_DRAFT.value, _TARGET.value, _FORMAT.value, _OUT.value,
-                         _DTYPE.value, formats or None, _WITH_EMBEDDING.value)
-  except (ValueError, FileNotFoundError, ImportError) as e:
+                         _DTYPE.value, formats or None, _WITH_EMBEDDING.value,
+                         _OVERWRITE.value)
+  except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
+          ImportError) as e:
     sys.exit(f"error: {e}")
   print("wrote " + ", ".join(paths))
 

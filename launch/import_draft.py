@@ -1,16 +1,18 @@
 """Import a draft written for the original PyTorch code into our draft directory layout.
 
   python -m launch.import_draft --src=DIR --format=eagle2|jakiro|jakiro_star|gumiho \
-      --target=smollm2|DIR|file.gguf --out=DIR [--top_k --depth --total_tokens]
+      --target=smollm2|DIR|file.gguf --out=DIR [--top_k --depth --total_tokens] [--overwrite]
 
 (Jakiro* takes no tree flags: its static tree is the original's 26-node choices list.)
 
 DIR holds config.json and `pytorch_model.bin` (needs torch) or `model.safetensors`; if both
-exist the `.bin` is read, as the original loaders do. A `module.` prefix (DDP checkpoints)
-is stripped. Every name and shape is checked: unknown, missing or mis-shaped keys are an
-error listing them (the original loaders silently skip wrong names). The stored
+exist the `.bin` is read, as the original loaders do, once checked to hold the same tensors
+as the `.safetensors` (else one is stale: an error naming both). A `module.` prefix (DDP
+checkpoints) is stripped. Every name and shape is checked: unknown, missing or mis-shaped
+keys are an error listing them (the original loaders silently skip wrong names). The stored
 `embed_tokens.weight` is checked against the target's and dropped. The output directory is
-loaded by `load_draft` (and `--draft=DIR` in launch.bench).
+loaded by `load_draft` (and `--draft=DIR` in launch.bench); it is written all at once, and
+a non-empty --out is refused unless --overwrite (then replaced once the new one is complete).
 """
 
 from __future__ import annotations
@@ -28,18 +30,23 @@ _OUT = flags.DEFINE_string("out", None, "Output draft directory (our layout).")
 _TOP_K = flags.DEFINE_integer("top_k", None, "Tree stored with the draft: children per node.")
 _DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the context.")
 _TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round.")
+_OVERWRITE = flags.DEFINE_bool(
+    "overwrite", False, "Replace a non-empty --out (removed once the new draft is complete).")
 
 
-def import_draft(src: str, method: str, target_source: str, out: str, tree=None):
+def import_draft(src: str, method: str, target_source: str, out: str, tree=None,
+                 overwrite: bool = False):
   """Reads the reference directory, writes ours; returns `(drafter, params)`."""
+  from jakiro_jax.atomic_dir import check_destination
   from jakiro_jax.drafts.io import save_draft
   from jakiro_jax.export import read_reference_dir
   from jakiro_jax.target import load_target
 
+  check_destination(out, overwrite, "--overwrite")  # before the target loads
   print(f"loading target {target_source} ...", file=sys.stderr)
   target = load_target(target_source, with_tokenizer=False)
   drafter, params = read_reference_dir(src, method, target, tree)
-  save_draft(out, drafter, params)
+  save_draft(out, drafter, params, overwrite=overwrite)
   return drafter, params
 
 
@@ -58,8 +65,10 @@ def main(argv):
     if overrides:
       base = GUMIHO_TREE if _FORMAT.value == "gumiho" else {}
       tree = TreeConfig(**dict(base, **overrides))
-    drafter, _ = import_draft(_SRC.value, _FORMAT.value, _TARGET.value, _OUT.value, tree)
-  except (ValueError, FileNotFoundError, ImportError) as e:
+    drafter, _ = import_draft(_SRC.value, _FORMAT.value, _TARGET.value, _OUT.value, tree,
+                              _OVERWRITE.value)
+  except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
+          ImportError) as e:
     sys.exit(f"error: {e}")
   print(f"wrote {drafter.name} draft to {_OUT.value} (tree {drafter.tree})")
 

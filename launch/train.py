@@ -46,7 +46,9 @@ def main(argv):
                    max_steps=_MAX_STEPS.value)
   except (TrainInputError, FileNotFoundError) as e:  # the message says what to change
     sys.exit(f"error: {e}")
-  print(f"trained {result.step} steps; draft in {result.out_dir}/draft", flush=True)
+  import jax
+  if jax.process_index() == 0:  # the one that wrote the draft (several hosts)
+    print(f"trained {result.step} steps; draft in {result.out_dir}/draft", flush=True)
 
 
 if __name__ == "__main__":

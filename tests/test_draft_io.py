@@ -81,7 +81,7 @@ def test_config_tree_options_apply_to_a_loaded_gumiho_draft(tmp_path, tiny_pair)
   with pytest.raises(ValueError, match="pool"):
     make_drafter("gumiho", target.config, big, mlp_num=3, mlp_topk=5, pruning=1)
   save_draft(tmp_path, dataclasses.replace(drafter, pruning=1),
-             drafter.init_params(jax.random.PRNGKey(0)))
+             drafter.init_params(jax.random.PRNGKey(0)), overwrite=True)
   loaded, _ = resolve_draft(target, "gumiho", str(tmp_path), big,
                             options={"mlp_num": 3, "mlp_topk": 5, "pruning": 4})
   assert (loaded.tree, loaded.pruning) == (big, 4)

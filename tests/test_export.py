@@ -5,6 +5,7 @@ torch forward written here from the specs' equations, fed the exported state dic
 the JAX forward; broken inputs fail with a ValueError that names the problem.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -95,6 +96,26 @@ def test_round_trip_is_bit_identical(tmp_path, target, drafts, method, fmt):
   for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
     assert a.dtype == np.float32
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_draft_vocabulary_is_recorded_and_read_back(tmp_path, target, drafts, method):
+  """The layouts hold no token subset: export records it in config.json (with a note the
+  original loaders ignore) and import restores it, so the round trip keeps the drafter."""
+  from jakiro_jax.export.reference_dir import draft_vocab_warning
+
+  drafter, params = drafts[method]
+  subset = tuple(range(3, 97, 2))
+  drafter = dataclasses.replace(drafter, draft_vocab=subset)
+  write_reference_dir(tmp_path, drafter, params, _embedding(target), formats=["safetensors"])
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["draft_vocab_ids"] == list(subset)
+  assert config["draft_vocab_note"] == draft_vocab_warning(drafter)
+  assert f"subset of {len(subset)} of the 97" in config["draft_vocab_note"]
+  search = {k: v for k, v in OPTIONS.get(method, {}).items() if k != "mlp_num"}
+  back, _ = read_reference_dir(tmp_path, method, target, TREES[method], **search)
+  assert back.draft_vocab == subset and back == drafter
+  assert draft_vocab_warning(drafts[method][0]) is None  # the whole vocabulary: nothing lost
 
 
 def test_names_and_config_follow_the_specs(tmp_path, target, drafts):
@@ -395,13 +416,31 @@ def test_target_mismatch(tmp_path, target, drafts):
     to_reference_state_dict(odd, odd_params)
 
 
-def test_bin_wins_over_safetensors(tmp_path, target, drafts, capsys):
+def test_bin_wins_over_safetensors_only_when_they_agree(tmp_path, target, drafts, capsys):
   drafter, params = drafts["eagle2"]
   write_reference_dir(tmp_path, drafter, params, formats=["bin", "safetensors"])
-  (tmp_path / "model.safetensors").write_bytes(b"garbage")
   _, loaded = read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
   jax.tree.map(np.testing.assert_array_equal, loaded, params)
   assert "reading pytorch_model.bin" in capsys.readouterr().err
+  # Another draft's weights in the .safetensors (a stale file of an earlier export): the
+  # original loaders would silently read the .bin; we name both files.
+  other = to_reference_state_dict(drafter, _randomize(params, 99))
+  _write_state(tmp_path, other)
+  with pytest.raises(ValueError, match=r"holds both pytorch_model.bin and model.safetensors "
+                     r"and they differ \(.*values differ"):
+    read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
+  del other["fc.bias"]
+  _write_state(tmp_path, other)
+  with pytest.raises(ValueError, match=r"only in pytorch_model.bin: \['fc.bias'\]"):
+    read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
+  (tmp_path / "model.safetensors").write_bytes(b"garbage")
+  with pytest.raises(ValueError, match="model.safetensors \\(corrupt or truncated"):
+    read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
+  # An fp16 copy of the same weights beside the fp32 .bin agrees.
+  _write_state(tmp_path, {k: v.astype(np.float16)
+                          for k, v in to_reference_state_dict(drafter, params).items()})
+  _, loaded = read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 
 # ---- command lines and the target's HF directory -----------------------------------------------
@@ -415,6 +454,7 @@ def test_command_lines_round_trip(tmp_path, target, drafts):
   jax.tree.map(np.testing.assert_array_equal, loaded_target.params, target.params)
 
   drafter, params = drafts["jakiro"]
+  drafter = dataclasses.replace(drafter, draft_vocab=tuple(range(0, 97, 3)))
   save_draft(tmp_path / "ours", drafter, params)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   run = lambda module, *args: subprocess.run(  # noqa: E731
@@ -425,6 +465,7 @@ def test_command_lines_round_trip(tmp_path, target, drafts):
   assert out.returncode == 0, out.stderr
   assert sorted(os.listdir(tmp_path / "ref")) == ["config.json", "model.safetensors",
                                                   "pytorch_model.bin"]
+  assert "warning: this draft proposes tokens from a subset of 33 of the 97" in out.stderr
   out = run("import_draft", f"--src={tmp_path / 'ref'}", "--format=gumiho",
             f"--target={target_dir}", f"--out={tmp_path / 'back'}")
   assert out.returncode != 0 and "is a jakiro checkpoint, not gumiho" in out.stderr

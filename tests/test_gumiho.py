@@ -121,6 +121,19 @@ def test_bad_configs(target):
                   mlp_topk=3, pruning=5)
 
 
+def test_default_is_the_papers_tree(target):
+  from jakiro_jax.drafts import DRAFTERS, make_drafter
+  drafter = make_drafter("gumiho", target.config)  # no tree: the paper's, not depth 5
+  assert drafter.tree == TreeConfig(top_k=14, depth=6, total_tokens=64)
+  assert (drafter.mlp_num, drafter.mlp_topk, drafter.pruning) == (5, 35, 35)
+  assert drafter.serial_steps == 1
+  for method in DRAFTERS:  # every method builds with its default tree
+    built = make_drafter(method, target.config)
+    assert built.name == method and built.tree.total_tokens >= 2
+    params = jax.eval_shape(built.init_params, jax.random.PRNGKey(0))
+    assert jax.tree.leaves(params), method
+
+
 def test_loss_matches_a_hand_computed_example():
   from gumiho_jax.losses import gumiho_loss
 

@@ -112,6 +112,38 @@ def test_speculative_loop_compiles_once(target):
   assert spec_generate.TRACE_COUNT["speculative_generate"] == before
 
 
+@pytest.mark.parametrize("field,value", [("rope_theta", 50000.0),
+                                         ("tie_word_embeddings", True),
+                                         ("rms_norm_eps", 1e-3), ("dtype", "bfloat16"),
+                                         ("rope_scaling", (("factor", 2.0), ("type", "linear")))])
+def test_drafter_built_for_another_target_config_is_refused(target, field, value):
+  """Same shapes, another target config: the drafter's embedding / lm_head / RoPE would
+  not be the target's. The layer count is the drafter's own and may differ."""
+  tree = TREES[0]
+  other = Eagle2Drafter(target.config.replace(**{field: value}), tree)
+  params = Eagle2Drafter(target.config, tree).init_params(jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match=rf"draft {field} .* does not match the target's .*"
+                     rf"\(the drafter's target_config.{field}\)"):
+    generate(target, other, params, [[5, 6]], 4)
+  deeper = Eagle2Drafter(target.config.replace(num_layers=7), tree)
+  generate(target, deeper, params, [[5, 6]], 4)  # not refused
+
+
+def test_target_runs_with_its_own_config(target, monkeypatch):
+  """Even past the check, the loop verifies with the target's config, never the drafter's
+  `target_config`: a drafter built for another rope_theta stays lossless."""
+  tree = TREES[0]
+  other = Eagle2Drafter(target.config.replace(rope_theta=20.0), tree)
+  params = other.init_params(jax.random.PRNGKey(0))
+  monkeypatch.setattr(spec_generate, "check_draft_fits", lambda *args: None)
+  prompts = random_prompts(np.random.RandomState(5), 97, [12, 4])
+  spec = generate(target, other, params, prompts, max_new_tokens=25)
+  assert spec.tokens == generate_ar(target, prompts, max_new_tokens=25).tokens
+  # The rope_theta matters: the target run with the drafter's config would differ.
+  wrong = dataclasses.replace(target, config=other.target_config)
+  assert generate_ar(wrong, prompts, max_new_tokens=25).tokens != spec.tokens
+
+
 def test_bad_inputs_raise(target):
   drafter = Eagle2Drafter(target.config, TreeConfig(top_k=4, depth=3, total_tokens=12))
   params = drafter.init_params(jax.random.PRNGKey(0))

@@ -47,14 +47,19 @@ def _unflatten(flat):
   return tree
 
 
-def save_draft(out_dir, drafter, params, dtype: str | None = None) -> None:
+def save_draft(out_dir, drafter, params, dtype: str | None = None,
+               overwrite: bool = False) -> None:
+  """Writes `draft.json` + `model.safetensors` (params cast to `dtype` if given), all at
+  once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused unless `overwrite`,
+  and then replaced whole only once the new directory is complete."""
   from safetensors.numpy import save_file
 
-  os.makedirs(out_dir, exist_ok=True)
+  from jakiro_jax.atomic_dir import atomic_dir, check_destination
+
+  check_destination(out_dir, overwrite)  # before the device -> host copy
   flat = _flatten(jax.device_get(params))
   if dtype:
     flat = {k: v.astype(dtype) for k, v in flat.items()}
-  save_file(flat, os.path.join(out_dir, "model.safetensors"))
   options = {f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)
              if f.name not in ("target_config", "tree", "name")}
   meta = {"method": drafter.name, "options": options,
@@ -62,8 +67,10 @@ def save_draft(out_dir, drafter, params, dtype: str | None = None) -> None:
           "vocab_size": drafter.target_config.vocab_size,
           "tree": {"top_k": drafter.tree.top_k, "depth": drafter.tree.depth,
                    "total_tokens": drafter.tree.total_tokens}}
-  with open(os.path.join(out_dir, "draft.json"), "w") as f:
-    json.dump(meta, f, indent=2)
+  with atomic_dir(out_dir, overwrite) as tmp:
+    save_file(flat, os.path.join(tmp, "model.safetensors"))
+    with open(os.path.join(tmp, "draft.json"), "w") as f:
+      json.dump(meta, f, indent=2)
 
 
 def load_draft(source, target, tree: TreeConfig | None = None,

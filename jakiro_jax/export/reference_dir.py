@@ -7,6 +7,7 @@ Gumiho loader reads only `.bin`). config.json holds only the fields those loader
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -16,12 +17,20 @@ import numpy as np
 
 from jakiro_jax.export import torch_layout as tl
 from jakiro_jax.models.config import read_json
+from gumiho_jax.draft import DEFAULT_TREE as GUMIHO_DEFAULT_TREE
 
 BIN, SAFETENSORS = "pytorch_model.bin", "model.safetensors"
 FORMATS = ("bin", "safetensors")
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16"}
-# Gumiho's defaults (configs/smollm2_135m.py); its depth must exceed the head count.
-GUMIHO_TREE = dict(top_k=14, depth=6, total_tokens=64)
+# The draft vocabulary (`draft_vocab`: the token subset a draft proposes from) has no
+# place in the original layouts, whose code drafts from the whole vocabulary. It is
+# recorded in config.json under these keys (read back by `read_reference_dir`; ignored by
+# the original loaders) and announced by `draft_vocab_warning`.
+DRAFT_VOCAB_KEY = "draft_vocab_ids"
+DRAFT_VOCAB_NOTE_KEY = "draft_vocab_note"
+# Gumiho's default tree (gumiho_jax/draft.py: DEFAULT_TREE); its depth must exceed the
+# head count.
+GUMIHO_TREE = dataclasses.asdict(GUMIHO_DEFAULT_TREE)
 
 
 def default_formats(method: str) -> tuple[str, ...]:
@@ -60,16 +69,35 @@ def reference_config(drafter, dtype: str = "float32") -> dict:
     config["qkv_bias"] = True
   if drafter.name in ("jakiro", "jakiro_star"):  # both MoE blocks read them in __init__
     config.update(num_local_experts=2, num_experts_per_tok=2)
+  if drafter.draft_vocab:
+    config[DRAFT_VOCAB_KEY] = [int(t) for t in drafter.draft_vocab]
+    config[DRAFT_VOCAB_NOTE_KEY] = draft_vocab_warning(drafter)
   return config
 
 
+def draft_vocab_warning(drafter) -> str | None:
+  """What an export loses when the draft proposes from a token subset, else None."""
+  if not drafter.draft_vocab:
+    return None
+  return (f"this draft proposes tokens from a subset of {len(drafter.draft_vocab)} of the "
+          f"{drafter.target_config.vocab_size} vocabulary ids (listed under "
+          f"{DRAFT_VOCAB_KEY!r}); the original {drafter.name} code has no such subset and "
+          f"drafts from the whole vocabulary, so the same weights propose other tokens "
+          f"there and accept differently (output stays lossless). Import restores the subset.")
+
+
 def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "float32",
-                        formats: Iterable[str] | None = None) -> list[str]:
+                        formats: Iterable[str] | None = None,
+                        overwrite: bool = False) -> list[str]:
   """Writes config.json + weights the original code loads; returns the written paths.
 
   embedding `[V, D]`: the target's, stored as `embed_tokens.weight` (Gumiho needs it).
   dtype: "float32" or "float16". formats: subset of ("bin", "safetensors").
+  Written all at once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused
+  unless `overwrite`, and then replaced whole (an old `.bin` would be read first).
   """
+  from jakiro_jax.atomic_dir import atomic_dir, check_destination
+
   dtype = DTYPES.get(dtype, dtype)
   if dtype not in ("float32", "float16"):
     raise ValueError(f"export dtype must be fp32 or fp16, got {dtype!r}")
@@ -77,26 +105,24 @@ def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "
   bad = [f for f in formats if f not in FORMATS]
   if bad:
     raise ValueError(f"unknown weight formats {bad}; available: {FORMATS}")
+  out_dir = check_destination(out_dir, overwrite)  # before the conversion
+  torch = None
+  if "bin" in formats:  # also before it: a missing torch fails fast
+    torch = _import_torch(f"writing {BIN}", "pass --safetensors (no torch needed)")
   state = tl.to_reference_state_dict(drafter, params, embedding)
   state = {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in state.items()}
-  out_dir = os.fspath(out_dir)
-  os.makedirs(out_dir, exist_ok=True)
-  written = []
-  if "bin" in formats:
-    torch = _import_torch(f"writing {BIN}", "pass --safetensors (no torch needed)")
-    tensors = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
-    path = os.path.join(out_dir, BIN)
-    torch.save(tensors, path)
-    written.append(path)
-  if "safetensors" in formats:
-    from safetensors.numpy import save_file
-    path = os.path.join(out_dir, SAFETENSORS)
-    save_file(state, path, metadata={"format": "pt"})
-    written.append(path)
-  path = os.path.join(out_dir, "config.json")
-  with open(path, "w") as f:
-    json.dump(reference_config(drafter, dtype), f, indent=2)
-  return [path] + written
+  config = reference_config(drafter, dtype)
+  names = [n for f, n in (("bin", BIN), ("safetensors", SAFETENSORS)) if f in formats]
+  with atomic_dir(out_dir, overwrite) as tmp:
+    if torch is not None:
+      torch.save({k: torch.from_numpy(v.copy()) for k, v in state.items()},
+                 os.path.join(tmp, BIN))
+    if "safetensors" in formats:
+      from safetensors.numpy import save_file
+      save_file(state, os.path.join(tmp, SAFETENSORS), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(config, f, indent=2)
+  return [os.path.join(out_dir, n) for n in ["config.json"] + names]
 
 
 def _import_torch(what: str, alternative: str):
@@ -111,22 +137,52 @@ def _import_torch(what: str, alternative: str):
 def read_state_dict(src_dir) -> tuple[dict[str, np.ndarray], str]:
   """(name -> numpy array, path read) of a reference directory; `module.` prefixes stripped.
 
-  `pytorch_model.bin` wins over `model.safetensors`, like the original loaders.
+  `pytorch_model.bin` wins over `model.safetensors`, like the original loaders; when both
+  exist they must hold the same tensors (names, shapes, values), else ValueError naming
+  both: one may be left over from an earlier export.
   """
   src_dir = os.fspath(src_dir)
   bin_path, st_path = os.path.join(src_dir, BIN), os.path.join(src_dir, SAFETENSORS)
   if os.path.exists(bin_path):
+    state, path = _strip_module(_read_bin(bin_path)), bin_path
     if os.path.exists(st_path):
-      print(f"{src_dir} holds both {BIN} and {SAFETENSORS}: reading {BIN}, as the original "
-            f"loaders do", file=sys.stderr)
-    state, path = _read_bin(bin_path), bin_path
+      _check_same_tensors(src_dir, state, _strip_module(_read_safetensors(st_path)))
+      print(f"{src_dir} holds both {BIN} and {SAFETENSORS} (the same tensors): reading "
+            f"{BIN}, as the original loaders do", file=sys.stderr)
   elif os.path.exists(st_path):
-    state, path = _read_safetensors(st_path), st_path
+    state, path = _strip_module(_read_safetensors(st_path)), st_path
   else:
     raise FileNotFoundError(f"{src_dir} holds neither {BIN} nor {SAFETENSORS}")
-  # DDP training checkpoints prefix every name with "module.".
-  state = {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state.items()}
   return state, path
+
+
+def _strip_module(state: Mapping) -> dict:
+  # DDP training checkpoints prefix every name with "module.".
+  return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state.items()}
+
+
+def _check_same_tensors(src_dir, from_bin: Mapping, from_st: Mapping) -> None:
+  """ValueError naming both files unless they hold the same names, shapes and values
+  (compared in the narrower dtype where an fp16 and an fp32 copy meet)."""
+  problems = []
+  only_bin, only_st = sorted(set(from_bin) - set(from_st)), sorted(set(from_st) - set(from_bin))
+  if only_bin:
+    problems.append(f"only in {BIN}: {only_bin[:4]}{' ...' if len(only_bin) > 4 else ''}")
+  if only_st:
+    problems.append(f"only in {SAFETENSORS}: {only_st[:4]}{' ...' if len(only_st) > 4 else ''}")
+  for k in sorted(set(from_bin) & set(from_st)):
+    a, b = np.asarray(from_bin[k]), np.asarray(from_st[k])
+    if a.shape != b.shape:
+      problems.append(f"{k}: shape {a.shape} in {BIN}, {b.shape} in {SAFETENSORS}")
+    else:
+      narrow = min(a.dtype, b.dtype, key=lambda t: t.itemsize)
+      if not np.array_equal(a.astype(narrow), b.astype(narrow)):
+        problems.append(f"{k}: values differ")
+    if len(problems) >= 4:
+      break
+  if problems:
+    raise ValueError(f"{src_dir} holds both {BIN} and {SAFETENSORS} and they differ "
+                     f"({'; '.join(problems)}); one is stale (an earlier export?): remove it")
 
 
 def _read_bin(path) -> dict[str, np.ndarray]:
@@ -218,6 +274,8 @@ def read_reference_dir(src_dir, method: str, target, tree=None, **options):
       raise ValueError(f"{config_path}: num_hidden_layers={layers}, but {method} drafts "
                        f"have one layer")
     options.setdefault("fc_bias", bool(config.get("bias", True)))
+  if config.get(DRAFT_VOCAB_KEY):  # written by our export: the subset the draft was made for
+    options.setdefault("draft_vocab", tuple(int(t) for t in config[DRAFT_VOCAB_KEY]))
   drafter = make_drafter(method, cfg, tree, **options)  # None: the method's default tree
   if tl.EMBEDDING in state:
     _check_embedding(state[tl.EMBEDDING], target, path)
@@ -237,18 +295,22 @@ def _check_embedding(stored, target, path) -> None:
           f"it is dropped and the target's is used", file=sys.stderr)
 
 
-def write_target_hf_dir(target, out_dir) -> None:
+def write_target_hf_dir(target, out_dir, overwrite: bool = False) -> None:
   """`Target.save_hf`, plus `model.safetensors.index.json` for an unsharded file: the original
-  draft code reads the base embedding through that index."""
-  target.save_hf(out_dir)
-  out_dir = os.fspath(out_dir)
-  index = os.path.join(out_dir, "model.safetensors.index.json")
-  single = os.path.join(out_dir, SAFETENSORS)
-  if not os.path.exists(index) and os.path.exists(single):
-    from safetensors import safe_open
-    with safe_open(single, framework="numpy") as f:
-      names = list(f.keys())
-    total = os.path.getsize(single)
-    with open(index, "w") as f:
-      json.dump({"metadata": {"total_size": total},
-                 "weight_map": {k: SAFETENSORS for k in sorted(names)}}, f, indent=2)
+  draft code reads the base embedding through that index. Written all at once, like
+  `convert.write_hf_dir` (a non-empty `out_dir` needs `overwrite`)."""
+  from jakiro_jax.atomic_dir import atomic_dir
+  from jakiro_jax.models.convert import write_hf_files
+
+  with atomic_dir(out_dir, overwrite) as tmp:
+    write_hf_files(target.config, target.params, tmp, tokenizer=target.tokenizer)
+    index = os.path.join(tmp, "model.safetensors.index.json")
+    single = os.path.join(tmp, SAFETENSORS)
+    if not os.path.exists(index) and os.path.exists(single):
+      from safetensors import safe_open
+      with safe_open(single, framework="numpy") as f:
+        names = list(f.keys())
+      total = os.path.getsize(single)
+      with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": total},
+                   "weight_map": {k: SAFETENSORS for k in sorted(names)}}, f, indent=2)

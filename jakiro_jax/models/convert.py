@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Mapping
 
 import numpy as np
@@ -150,12 +151,16 @@ def check_hf_state_dict(cfg: LlamaConfig, state: Mapping[str, np.ndarray],
 
 def params_from_hf(cfg: LlamaConfig, state: Mapping[str, np.ndarray]) -> dict:
   """HF-named arrays (numpy or anything `np.asarray` takes) -> params pytree (numpy)."""
+  import ml_dtypes  # numpy's bfloat16 (a jax dependency)
+
   check_hf_state_dict(cfg, state)
-  dtype = np.dtype(cfg.dtype) if cfg.dtype != "bfloat16" else None
+  # Every weight in the config's dtype, bfloat16 included: a fp32 source (a GGUF dequantized
+  # to fp32, a fp32 checkpoint) loaded as bf16 must hold bf16 weights, not fp32 ones.
+  dtype = np.dtype(ml_dtypes.bfloat16 if cfg.dtype == "bfloat16" else cfg.dtype)
 
   def get(key):
     a = np.asarray(state[key])
-    return a.astype(dtype) if dtype is not None else a
+    return a.astype(dtype)
 
   params = {"embed_tokens": {"embedding": get("model.embed_tokens.weight")},
             "final_norm": {"scale": get("model.norm.weight")}}
@@ -190,31 +195,90 @@ def params_to_hf(cfg: LlamaConfig, variables: Mapping) -> dict[str, np.ndarray]:
   return {k: np.ascontiguousarray(v) for k, v in state.items()}
 
 
+INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+
+
 def read_safetensors_dir(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
-  """All tensors of a HF directory (single `model.safetensors` or sharded with index)."""
+  """All tensors of a HF directory (single `model.safetensors` or sharded with index).
+
+  The directory must be consistent, or the weights read may be another export's: with an
+  index, every file it names exists, each shard holds exactly the tensors the index maps to
+  it, and no `model.safetensors` / `model-*-of-*.safetensors` lies outside it; without one,
+  no shard files lie beside `model.safetensors`. Anything else is a ValueError naming it.
+  """
   from safetensors import SafetensorError
   from safetensors.numpy import load_file
 
   model_dir = os.fspath(model_dir)
-  index = os.path.join(model_dir, "model.safetensors.index.json")
-  if os.path.exists(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
-  elif os.path.exists(os.path.join(model_dir, "model.safetensors")):
+  present = set(os.listdir(model_dir)) if os.path.isdir(model_dir) else set()
+  weight_files = {n for n in present if n == "model.safetensors" or _SHARD.fullmatch(n)}
+  weight_map = None
+  if INDEX in present:
+    weight_map = _read_weight_map(os.path.join(model_dir, INDEX))
+    files = sorted(set(weight_map.values()))
+    missing = [n for n in files if n not in present]
+    if missing:
+      raise FileNotFoundError(f"{INDEX} in {model_dir} lists {', '.join(missing)}, missing "
+                              f"from the directory")
+    stray = sorted(weight_files - set(files))
+    if stray:
+      raise ValueError(f"{model_dir} holds {', '.join(stray)}, which {INDEX} does not list "
+                       f"(left over from another export?); remove the stale files")
+  elif "model.safetensors" in present:
     files = ["model.safetensors"]
+    if len(weight_files) > 1:
+      raise ValueError(f"{model_dir} holds model.safetensors and the shards "
+                       f"{', '.join(sorted(weight_files - set(files)))} without {INDEX}: "
+                       f"which is the model is unclear; remove the stale files")
   else:
-    raise FileNotFoundError(
-        f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+    raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor {INDEX}")
   state = {}
   for name in files:
     path = os.path.join(model_dir, name)
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"shard {name} listed in the index is missing from {model_dir}")
     try:
-      state.update(_load_safetensors_any_dtype(path, load_file))
+      shard = _load_safetensors_any_dtype(path, load_file)
     except (SafetensorError, OSError, ValueError) as e:
       raise ValueError(f"cannot read {path} (corrupt or truncated?): {e}") from None
+    if weight_map is not None:
+      _check_shard(model_dir, name, set(shard), weight_map)
+    state.update(shard)
   return state
+
+
+def _read_weight_map(path: str) -> dict[str, str]:
+  from jakiro_jax.models.config import read_json
+
+  index = read_json(path, f"no {path}")
+  weight_map = index.get("weight_map") if isinstance(index, dict) else None
+  if not isinstance(weight_map, dict) or not weight_map or not all(
+      isinstance(v, str) for v in weight_map.values()):
+    raise ValueError(f"{path} has no weight_map of tensor name -> file name")
+  bad = sorted({v for v in weight_map.values() if os.path.basename(v) != v})
+  if bad:  # a shard outside the directory would be another model's
+    raise ValueError(f"{path} maps tensors to files outside the directory: {bad[:4]}")
+  return weight_map
+
+
+def _check_shard(model_dir: str, name: str, held: set[str], weight_map: Mapping) -> None:
+  """A shard must hold exactly the tensors the index maps to it."""
+  listed = {k for k, v in weight_map.items() if v == name}
+  unlisted, absent = sorted(held - set(weight_map)), sorted(listed - held)
+  elsewhere = sorted(k for k in held & set(weight_map) if weight_map[k] != name)
+  problems = []
+  if unlisted:
+    problems.append(f"it holds tensors the index does not list {_few(unlisted)}")
+  if elsewhere:
+    problems.append(f"it holds tensors the index maps to other files {_few(elsewhere)}")
+  if absent:
+    problems.append(f"it lacks tensors the index maps to it {_few(absent)}")
+  if problems:
+    raise ValueError(f"{os.path.join(model_dir, name)} disagrees with {INDEX} (stale or "
+                     f"corrupted index?): {'; '.join(problems)}")
+
+
+def _few(names: list[str], n: int = 4) -> str:
+  return f"{names[:n]}{' ...' if len(names) > n else ''}"
 
 
 def _load_safetensors_any_dtype(path, load_file):
@@ -229,12 +293,24 @@ def _load_safetensors_any_dtype(path, load_file):
 
 
 def write_hf_dir(cfg: LlamaConfig, variables: Mapping, out_dir: str | os.PathLike,
-                 tokenizer=None, max_shard_bytes: int = 2 << 30) -> None:
-  """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`)."""
+                 tokenizer=None, max_shard_bytes: int = 2 << 30,
+                 overwrite: bool = False) -> None:
+  """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`).
+
+  All at once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused unless
+  `overwrite`, and then replaced whole, so no file of an older model stays beside the new.
+  """
+  from jakiro_jax.atomic_dir import atomic_dir
+
+  with atomic_dir(out_dir, overwrite) as tmp:
+    write_hf_files(cfg, variables, tmp, tokenizer, max_shard_bytes)
+
+
+def write_hf_files(cfg: LlamaConfig, variables: Mapping, out_dir: str,
+                   tokenizer=None, max_shard_bytes: int = 2 << 30) -> None:
+  """`write_hf_dir`'s files, written into the existing (empty) directory `out_dir`."""
   from safetensors.numpy import save_file
 
-  out_dir = os.fspath(out_dir)
-  os.makedirs(out_dir, exist_ok=True)
   state = params_to_hf(cfg, variables)
   shards, current, size = [], {}, 0
   for key in sorted(state):

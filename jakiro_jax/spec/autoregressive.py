@@ -169,7 +169,10 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
                                       donate_argnums=(5,))  # the cache
   start = time.perf_counter()
   state = run(params, *inputs, cache)
-  tokens, counts, steps = jax.device_get((state.tokens, state.num_generated, state.step))
+  # On several hosts (a mesh over every process's devices) the rows are spread over the
+  # processes: every process gathers them all (`to_host`, a collective).
+  fetch = jax.device_get if mesh is None else sharding.to_host
+  tokens, counts, steps = fetch((state.tokens, state.num_generated, state.step))
   seconds = time.perf_counter() - start
   return GenerationOutput([list(map(int, t[:n])) for t, n in zip(tokens, counts)],
                           seconds, int(steps) - 1)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jakiro_jax.models.kv_cache import KVCache, causal_mask, tree_mask
+from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, new_cache
 from jakiro_jax.spec.autoregressive import is_stop_token, prefill
 from jakiro_jax.spec.batching import prepare_batch
@@ -105,16 +106,22 @@ def first_stop(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
   return jnp.where(stop.any(-1), jnp.argmax(stop, axis=-1), tokens.shape[1])
 
 
-SPEC_STATIC_ARGS = ("drafter", "max_new_tokens", "sampling", "stop_ids", "pad_id")
+SPEC_STATIC_ARGS = ("target_config", "drafter", "max_new_tokens", "sampling", "stop_ids",
+                    "pad_id")
 
 
 def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budgets,
-                             rng, target_cache: KVCache, draft_cache: KVCache, *, drafter,
-                             max_new_tokens: int, sampling: SamplingConfig,
-                             stop_ids: tuple[int, ...], pad_id: int) -> SpecState:
-  """prompt `[B, P]` right-padded; budgets `[B]` <= max_new_tokens. Returns the final state."""
+                             rng, target_cache: KVCache, draft_cache: KVCache, *,
+                             target_config: LlamaConfig, drafter, max_new_tokens: int,
+                             sampling: SamplingConfig, stop_ids: tuple[int, ...],
+                             pad_id: int) -> SpecState:
+  """prompt `[B, P]` right-padded; budgets `[B]` <= max_new_tokens. Returns the final state.
+
+  The target runs with `target_config` (the target's own), never the drafter's
+  `target_config`: a drafter built for another config would otherwise change the target.
+  """
   TRACE_COUNT["speculative_generate"] += 1  # runs at trace time only: counts compilations
-  model = Llama(drafter.target_config)
+  model = Llama(target_config)
   batch = prompt.shape[0]
   rows = jnp.arange(batch)
   max_path = drafter.tree.max_path
@@ -250,7 +257,8 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
                         extra_slots=max(target_extra, draft_extra))
   size = len(batch.lengths)
-  static = dict(drafter=drafter, max_new_tokens=int(batch.budgets.max()), sampling=sampling,
+  static = dict(target_config=target.config, drafter=drafter,
+                max_new_tokens=int(batch.budgets.max()), sampling=sampling,
                 stop_ids=tuple(target.stop_ids), pad_id=0)
   inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
             jnp.asarray(batch.budgets), jax.random.PRNGKey(seed))
@@ -284,14 +292,31 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
                     [[int(a) for a in row if a >= 0] for row in accepts])
 
 
+# Fields of the drafter's `target_config` that must equal the target's: the drafter runs
+# the target's embedding and lm_head with them (vocab, hidden, tie, dtype) and its layers
+# were trained with the target's RoPE, head_dim and norm eps. Layer counts, head counts
+# and biases may differ (the drafter's own layers; its params' shapes are checked below).
+MATCHING_TARGET_FIELDS = ("vocab_size", "hidden_size", "head_dim", "tie_word_embeddings",
+                          "rope_theta", "rope_scaling", "rms_norm_eps", "dtype")
+
+
 def check_draft_fits(target, drafter, draft_params: Any) -> None:
-  """Clear errors when a draft was built for another target."""
-  if drafter.target_config.hidden_size != target.config.hidden_size:
-    raise ValueError(f"draft hidden size {drafter.target_config.hidden_size} does not match "
-                     f"the target's {target.config.hidden_size}")
-  if drafter.target_config.vocab_size != target.config.vocab_size:
-    raise ValueError(f"draft vocab size {drafter.target_config.vocab_size} does not match "
-                     f"the target's {target.config.vocab_size}")
+  """Clear errors when a draft was built for another target: a ValueError naming the first
+  field of `MATCHING_TARGET_FIELDS` where the drafter's `target_config` and the target's
+  config differ, or params that do not fit the drafter."""
+  ours, theirs = drafter.target_config, target.config
+  for field in MATCHING_TARGET_FIELDS:
+    if getattr(ours, field) != getattr(theirs, field):
+      label = {"hidden_size": "hidden size", "vocab_size": "vocab size"}.get(field, field)
+      raise ValueError(f"draft {label} {getattr(ours, field)} does not match the target's "
+                       f"{getattr(theirs, field)} (the drafter's target_config.{field}): it "
+                       f"was built for another target config")
+  # llama3 / YaRN scaling may read it (the original context, YaRN's factor).
+  if (theirs.rope_type in ("llama3", "yarn")
+      and ours.max_position_embeddings != theirs.max_position_embeddings):
+    raise ValueError(f"draft max_position_embeddings {ours.max_position_embeddings} does not "
+                     f"match the target's {theirs.max_position_embeddings} (sets the "
+                     f"{theirs.rope_type} rope scaling)")
   expected = jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0))
   got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), draft_params)
   if jax.tree.structure(expected) != jax.tree.structure(got) or any(

@@ -14,7 +14,7 @@ import numpy as np
 
 from jakiro_jax.models.kv_cache import tree_mask
 from jakiro_jax.models.llama import Llama, new_cache
-from jakiro_jax.spec.generate import draft_context, draft_tree
+from jakiro_jax.spec.generate import check_draft_fits, draft_context, draft_tree
 from jakiro_jax.spec.sampling import SamplingConfig
 
 
@@ -30,7 +30,11 @@ def _median_ms(fn, *args, repeats: int = 7) -> float:
 
 def round_split(target, drafter, draft_params, context_len: int,
                 sampling: SamplingConfig = SamplingConfig()) -> dict:
-  """Median ms of the draft part (context forward + tree) and of the verify part."""
+  """Median ms of the draft part (context forward + tree) and of the verify part.
+
+  The verify part runs the target with its own config; a drafter built for another target
+  config is refused (`check_draft_fits`), as in `generate`."""
+  check_draft_fits(target, drafter, draft_params)
   tree_cfg = drafter.tree
   max_len = context_len + max(tree_cfg.total_tokens, drafter.extra_cache_slots()) + 64
   lengths = jnp.array([context_len], jnp.int32)

@@ -47,8 +47,11 @@ class TrainCheckpoints:
     self._manager.close()
 
 
-def restore_params(directory, step: int | None = None):
-  """The draft params of a training checkpoint (the latest one by default), as arrays."""
+def restore_state(directory, step: int | None = None) -> dict:
+  """The whole train state of a training checkpoint (the latest one by default) as numpy
+  arrays in plain dicts and lists (optax's namedtuples become lists), read onto this
+  process's first device whatever mesh, device count or number of hosts saved it (orbax
+  refuses a restore without shardings when the saving topology differs)."""
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no training checkpoint directory {directory}")
   checkpoints = TrainCheckpoints(directory)
@@ -56,8 +59,17 @@ def restore_params(directory, step: int | None = None):
     step = checkpoints.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no training checkpoint in {directory}")
-    restored = checkpoints._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore()))
-    return jax.device_get(restored.state["params"])
+    item = os.path.join(checkpoints.directory, str(step), "state")
   finally:
     checkpoints.close()
+  here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  with ocp.StandardCheckpointer() as reader:
+    saved = reader.metadata(item).item_metadata.tree  # shapes and dtypes
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
+                            saved)
+    return jax.device_get(reader.restore(item, abstract))
+
+
+def restore_params(directory, step: int | None = None):
+  """The draft params of a training checkpoint (the latest one by default), as arrays."""
+  return restore_state(directory, step)["params"]

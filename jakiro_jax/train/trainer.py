@@ -576,5 +576,7 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
   if config.draft_vocab and subset is not None:  # cheaper draft forwards, still lossless
     drafter = dataclasses.replace(drafter, draft_vocab=tuple(int(i) for i in subset))
   if is_writer:
-    save_draft(os.path.join(out_dir, "draft"), drafter, params, dtype="float16")
+    # The run's own output (a resumed run replaces the draft of its earlier part).
+    save_draft(os.path.join(out_dir, "draft"), drafter, params, dtype="float16",
+               overwrite=True)
   return TrainResult(params=params, step=step, history=history, evals=evals, out_dir=out_dir)

@@ -1,0 +1,288 @@
+"""Exports are written all at once and loaders refuse directories that mix two exports.
+
+Every writer (`convert.write_hf_dir`, `write_target_hf_dir`, `write_reference_dir`,
+`save_draft`) refuses a non-empty destination unless `overwrite`, leaves no file of the
+previous export behind, and keeps the previous directory when it fails midway. The HF
+reader refuses an index that disagrees with the shards; the reference-draft reader refuses
+a `.bin` and a `.safetensors` that differ (tests/test_export.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jakiro_jax.drafts import make_drafter
+from jakiro_jax.drafts.io import load_draft, save_draft
+from jakiro_jax.export import read_reference_dir, write_reference_dir, write_target_hf_dir
+from jakiro_jax.models import convert, llama
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.target import Target, load_target
+
+CFG = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layers=2,
+                  num_heads=6, num_kv_heads=2, head_dim=12, rope_theta=1000.0,
+                  max_position_embeddings=512)
+TREE = TreeConfig(top_k=2, depth=2, total_tokens=6)
+SHARDED = 20_000  # max_shard_bytes that splits CFG's ~200 kB of weights into shards
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _target(seed: int) -> Target:
+  return Target(CFG, llama.init_params(CFG, jax.random.PRNGKey(seed)))
+
+
+@pytest.fixture(scope="module")
+def targets():
+  return _target(0), _target(1)
+
+
+def _assert_same_params(a, b):
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def _assert_differ(a, b):
+  assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _leftovers(directory) -> list[str]:
+  """Temporary siblings an export may have left beside `directory`."""
+  parent = os.path.dirname(os.path.abspath(directory))
+  return [n for n in os.listdir(parent) if ".partial-" in n or ".old-" in n]
+
+
+def _snapshot(directory) -> dict[str, bytes]:
+  return {n: (directory / n).read_bytes() for n in sorted(os.listdir(directory))}
+
+
+# ---- HF target directories ---------------------------------------------------------------------
+
+
+def test_hf_export_twice_refused_then_replaced(tmp_path, targets):
+  old, new = targets
+  out = tmp_path / "hf"
+  write_target_hf_dir(old, out)
+  before = _snapshot(out)
+  with pytest.raises(FileExistsError, match=f"{out} is not empty; pass overwrite=True"):
+    write_target_hf_dir(new, out)
+  with pytest.raises(FileExistsError, match="is not empty"):
+    convert.write_hf_dir(CFG, new.params, out)
+  assert _snapshot(out) == before  # the refusals wrote nothing
+  write_target_hf_dir(new, out, overwrite=True)
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors",
+                                     "model.safetensors.index.json"]
+  loaded = load_target(out, with_tokenizer=False)
+  _assert_same_params(loaded.params, new.params)
+  _assert_differ(loaded.params, old.params)
+  assert _leftovers(out) == []
+
+
+def test_sharded_old_model_replaced_by_a_single_file(tmp_path, targets):
+  old, new = targets
+  out = tmp_path / "hf"
+  convert.write_hf_dir(CFG, old.params, out, max_shard_bytes=SHARDED)
+  shards = [n for n in os.listdir(out) if n.startswith("model-")]
+  assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()
+  convert.write_hf_dir(CFG, new.params, out, overwrite=True)  # one file, no index
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+  loaded = load_target(out, with_tokenizer=False)
+  _assert_same_params(loaded.params, new.params)
+  # And the other way: a single file replaced by shards keeps no model.safetensors.
+  convert.write_hf_dir(CFG, old.params, out, max_shard_bytes=SHARDED, overwrite=True)
+  assert "model.safetensors" not in os.listdir(out)
+  _assert_same_params(load_target(out, with_tokenizer=False).params, old.params)
+  assert _leftovers(out) == []
+
+
+def test_stale_files_beside_an_index_are_refused(tmp_path, targets):
+  """What the old writer left: a new model.safetensors beside an old index and shards."""
+  old, new = targets
+  out = tmp_path / "hf"
+  convert.write_hf_dir(CFG, old.params, out, max_shard_bytes=SHARDED)
+  convert.write_hf_dir(CFG, new.params, tmp_path / "single")
+  os.replace(tmp_path / "single" / "model.safetensors", out / "model.safetensors")
+  with pytest.raises(ValueError, match="holds model.safetensors, which "
+                     r"model.safetensors.index.json does not list \(left over"):
+    load_target(out, with_tokenizer=False)
+  # Shards without their index beside a model.safetensors: which one is the model?
+  os.remove(out / "model.safetensors.index.json")
+  with pytest.raises(ValueError, match="holds model.safetensors and the shards "
+                     "model-00001-of-"):
+    load_target(out, with_tokenizer=False)
+
+
+def test_index_that_disagrees_with_its_shards_is_refused(tmp_path, targets):
+  old, _ = targets
+  out = tmp_path / "hf"
+  convert.write_hf_dir(CFG, old.params, out, max_shard_bytes=SHARDED)
+  index_path = out / "model.safetensors.index.json"
+  index = json.loads(index_path.read_text())
+  weight_map = index["weight_map"]
+  files = sorted(set(weight_map.values()))
+  # A shard that keeps other tensors once one is taken from it, and a later one (shards are
+  # read in order, so `first` is checked first).
+  first = next(f for f in files if list(weight_map.values()).count(f) > 1)
+  second = next(f for f in files if f > first)
+  moved = next(k for k, v in sorted(weight_map.items()) if v == first)
+
+  def write(wm):
+    index_path.write_text(json.dumps(dict(index, weight_map=wm)))
+
+  write(dict(weight_map, **{moved: second}))  # the tensor is in `first`, not `second`
+  with pytest.raises(ValueError, match=rf"{first} disagrees with model.safetensors.index.json "
+                     rf"\(stale or corrupted index\?\): it holds tensors the index maps to "
+                     rf"other files \['{moved}'\]"):
+    load_target(out, with_tokenizer=False)
+  write({k: v for k, v in weight_map.items() if k != moved})  # a tensor the index omits
+  with pytest.raises(ValueError, match=rf"holds tensors the index does not list \['{moved}'\]"):
+    load_target(out, with_tokenizer=False)
+  write(dict(weight_map, **{"model.extra.weight": first}))  # a tensor the shard lacks
+  with pytest.raises(ValueError, match=r"lacks tensors the index maps to it "
+                     r"\['model.extra.weight'\]"):
+    load_target(out, with_tokenizer=False)
+  write(dict(weight_map, **{moved: "model-00009-of-00009.safetensors"}))
+  with pytest.raises(FileNotFoundError, match="lists model-00009-of-00009.safetensors, "
+                     "missing from the directory"):
+    load_target(out, with_tokenizer=False)
+  index_path.write_text('{"weight_map": {"model.norm.weight": ')  # truncated
+  with pytest.raises(ValueError, match="model.safetensors.index.json is not valid JSON"):
+    load_target(out, with_tokenizer=False)
+  index_path.write_text(json.dumps({"metadata": {}}))
+  with pytest.raises(ValueError, match="has no weight_map of tensor name -> file name"):
+    load_target(out, with_tokenizer=False)
+  write(weight_map)  # restored: loads
+  _assert_same_params(load_target(out, with_tokenizer=False).params, old.params)
+
+
+def _fail_midway(monkeypatch, calls_before_failure: int = 1):
+  """safetensors' save_file writes its file, then the next call fails: a partial export."""
+  import safetensors.numpy
+  real, count = safetensors.numpy.save_file, [0]
+
+  def flaky(tensors, path, *args, **kwargs):
+    count[0] += 1
+    if count[0] > calls_before_failure:
+      with open(path, "wb") as f:
+        f.write(b"half a file")
+      raise OSError("disk full")
+    return real(tensors, path, *args, **kwargs)
+
+  monkeypatch.setattr(safetensors.numpy, "save_file", flaky)
+
+
+def test_failed_export_keeps_the_previous_directory(tmp_path, targets, monkeypatch):
+  old, new = targets
+  out = tmp_path / "hf"
+  convert.write_hf_dir(CFG, old.params, out, max_shard_bytes=SHARDED)
+  before = _snapshot(out)
+  _fail_midway(monkeypatch)  # the first shard is written, the second fails
+  with pytest.raises(OSError, match="disk full"):
+    convert.write_hf_dir(CFG, new.params, out, max_shard_bytes=SHARDED, overwrite=True)
+  assert _snapshot(out) == before
+  assert _leftovers(out) == []
+  monkeypatch.undo()
+  _assert_same_params(load_target(out, with_tokenizer=False).params, old.params)
+
+
+# ---- drafts: our layout and the original layouts -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft():
+  drafter = make_drafter("eagle2", CFG, TREE)
+  return drafter, drafter.init_params(jax.random.PRNGKey(0)), drafter.init_params(
+      jax.random.PRNGKey(1))
+
+
+def test_save_draft_twice_and_failed_save(tmp_path, targets, draft, monkeypatch):
+  target, _ = targets
+  drafter, old, new = draft
+  out = tmp_path / "draft"
+  save_draft(out, drafter, old)
+  with pytest.raises(FileExistsError, match=f"{out} is not empty"):
+    save_draft(out, drafter, new)
+  before = _snapshot(out)
+  _fail_midway(monkeypatch, calls_before_failure=0)
+  with pytest.raises(OSError, match="disk full"):
+    save_draft(out, drafter, new, overwrite=True)
+  assert _snapshot(out) == before and _leftovers(out) == []
+  monkeypatch.undo()
+  save_draft(out, drafter, new, overwrite=True)
+  assert sorted(os.listdir(out)) == ["draft.json", "model.safetensors"]
+  _, loaded = load_draft(out, target)
+  _assert_same_params(loaded, new)
+  _assert_differ(loaded, old)
+
+
+def test_reference_export_over_a_bin_export_leaves_no_bin(tmp_path, targets, draft):
+  pytest.importorskip("torch")
+  target, _ = targets
+  drafter, old, new = draft
+  out = tmp_path / "ref"
+  write_reference_dir(out, drafter, old, formats=["bin"])
+  with pytest.raises(FileExistsError, match="is not empty"):
+    write_reference_dir(out, drafter, new, formats=["safetensors"])
+  written = write_reference_dir(out, drafter, new, formats=["safetensors"], overwrite=True)
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # the old .bin is gone
+  assert written == [str(out / "config.json"), str(out / "model.safetensors")]
+  _, loaded = read_reference_dir(out, "eagle2", target, TREE)
+  _assert_same_params(loaded, new)
+  _assert_differ(loaded, old)
+  assert _leftovers(out) == []
+
+
+def test_failed_reference_export_keeps_the_previous_directory(tmp_path, draft, monkeypatch):
+  drafter, old, new = draft
+  out = tmp_path / "ref"
+  write_reference_dir(out, drafter, old, formats=["safetensors"])
+  before = _snapshot(out)
+  _fail_midway(monkeypatch, calls_before_failure=0)
+  with pytest.raises(OSError, match="disk full"):
+    write_reference_dir(out, drafter, new, formats=["safetensors"], overwrite=True)
+  assert _snapshot(out) == before and _leftovers(out) == []
+
+
+def test_destination_that_is_a_file(tmp_path, draft):
+  drafter, old, _ = draft
+  (tmp_path / "f").write_text("x")
+  with pytest.raises(NotADirectoryError, match="exists and is not a directory"):
+    save_draft(tmp_path / "f", drafter, old, overwrite=True)
+  assert (tmp_path / "f").read_text() == "x"
+  (tmp_path / "empty").mkdir()  # an empty directory is no export: taken without overwrite
+  save_draft(tmp_path / "empty", drafter, old)
+  assert sorted(os.listdir(tmp_path / "empty")) == ["draft.json", "model.safetensors"]
+
+
+# ---- command lines -----------------------------------------------------------------------------
+
+
+def _run(module, *args):
+  return subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=ROOT,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_command_lines_refuse_a_non_empty_out_in_one_line(tmp_path, targets):
+  old, new = targets
+  source, out = tmp_path / "source", tmp_path / "out"
+  write_target_hf_dir(new, source)
+  write_target_hf_dir(old, out)
+  before = _snapshot(out)
+  result = _run("export", f"--target={source}", "--format=hf", f"--out={out}")
+  assert result.returncode != 0
+  lines = result.stderr.strip().splitlines()
+  assert lines == [f"error: {out} is not empty; pass --overwrite to replace it"]
+  assert _snapshot(out) == before
+  result = _run("import_draft", f"--src={source}", "--format=eagle2", f"--target={source}",
+                f"--out={out}")
+  assert result.returncode != 0
+  assert result.stderr.strip().splitlines() == [
+      f"error: {out} is not empty; pass --overwrite to replace it"]
+  result = _run("export", f"--target={source}", "--format=hf", f"--out={out}", "--overwrite")
+  assert result.returncode == 0, result.stderr
+  _assert_same_params(load_target(out, with_tokenizer=False).params, new.params)
+  assert _leftovers(out) == []
