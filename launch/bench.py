@@ -8,6 +8,8 @@ Each question's first turn goes through the target's chat template and is genera
 batch 1. Compilation happens in an untimed warm-up over the same shapes, so tokens/s is the
 steady-state rate. With --compare_hf the same weights run in a plain transformers model
 (`generate`, greedy, same machine) and the greedy outputs are compared token by token.
+The report records the device the numbers come from (`device_kind`, `platform`; also
+printed on stderr).
 
 Speculative methods (`--method=eagle2|jakiro|jakiro_star|gumiho [--draft=DIR|random] [--top_k
 --depth --total_tokens] [--fta] [--reference_parity]`; jakiro_star takes its static tree from
@@ -35,6 +37,7 @@ from ml_collections import config_flags
 
 from jakiro_jax.spec.benchmark import (ar_baseline, base_report, read_questions,
                                       resolve_draft, spec_report, tree_and_options)
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -127,6 +130,10 @@ def main(argv):
     raise app.UsageError("--config is required, e.g. --config=configs/smollm2_135m.py")
   if not _QUESTIONS.value:
     raise app.UsageError("--questions is required (a FastChat .jsonl file)")
+  cli.require_positive(max_new_tokens=_MAX_NEW.value, max_questions=_MAX_QUESTIONS.value)
+  cli.require_files(questions=_QUESTIONS.value)
+  if _DRAFT.value and _DRAFT.value != "random" and _METHOD.value != "ar":
+    cli.require_draft(_DRAFT.value, _METHOD.value)
   from jakiro_jax import sharding
   from jakiro_jax.spec.sampling import SamplingConfig
   sharding.initialize_distributed()  # several hosts: before any other JAX call
@@ -144,6 +151,7 @@ def main(argv):
                                      depth=_DEPTH.value, total_tokens=_TOTAL.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  cli.print_device()
   report = run(_CONFIG.value, _METHOD.value, questions, _MAX_NEW.value, sampling,
                _SEED.value, _COMPARE_HF.value, _SHOW.value, _DRAFT.value, tree, options,
                mesh)
@@ -159,4 +167,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -73,6 +73,15 @@ def require_draft(draft: str, method: str | None = None) -> None:
     raise app.UsageError(f"--draft={draft} is a draft of method {saved}, not {method}")
 
 
+def print_device() -> dict:
+  """Says on stderr which device the numbers come from; returns `device_info()`."""
+  from jakiro_jax.spec.device_report import device_info
+  device = device_info()
+  print(f"device: {device['device_kind']} ({device['platform']}, {device['device_count']} "
+        f"device(s))", file=sys.stderr)
+  return device
+
+
 def check_unexpected(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")

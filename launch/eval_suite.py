@@ -71,6 +71,7 @@ def main(argv):
   questions = {os.path.splitext(os.path.basename(p))[0]: read_questions(p, _MAX_QUESTIONS.value)
                for p in _QUESTIONS.value}
   os.makedirs(_OUT.value, exist_ok=True)
+  cli.print_device()
   target = load_target(config.target, dtype=config.dtype)
   loaded = {}  # method -> (drafter, params); a missing draft fails before any timing
   names = {}  # method -> the name its results carry

@@ -111,9 +111,8 @@ def main(argv):
   elif _QUESTIONS.value:
     from jakiro_jax.spec.benchmark import read_questions
     texts = read_questions(_QUESTIONS.value, _MAX_QUESTIONS.value)
+  cli.print_device()
   device = jax.devices()[0]
-  print(f"device: {device.device_kind} ({device.platform}, {jax.device_count()} "
-        f"device(s))", file=sys.stderr)
   print(f"loading target {config.target} ({config.dtype}) ...", file=sys.stderr)
   target = load_target(config.target, dtype=config.dtype)
   method = _METHOD.value or default_method(config, target.name, _DRAFT.value)

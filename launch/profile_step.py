@@ -57,6 +57,8 @@ def main(argv):
     return (out if logits else features), cache
 
   token = jnp.ones((1, 1), jnp.int32)
+  device = jax.devices()[0]
+  print(f"device: {device.device_kind} ({device.platform})")
   print(f"weights: {weight_bytes / 1e6:.0f} MB")
   for slots in map(int, _SLOTS.value):
     row = []

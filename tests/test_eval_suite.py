@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from launch.plot_results import alpha_by_depth, pooled_counts
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -19,6 +21,7 @@ def test_alpha_by_depth_by_hand():
   assert pooled_counts([{"accept_counts": [1, 2]}, {"accept_counts": [0, 1, 3]}]) == [1, 3, 3]
 
 
+@pytest.mark.slow  # ~65 s of SmolLM2 generation; run with -m slow
 def test_eval_suite_shares_the_baseline_and_resumes(tmp_path):
   questions = tmp_path / "math.jsonl"
   questions.write_text(json.dumps({"question_id": 0, "turns": ["What is 3 + 4?"]}) + "\n")

@@ -89,6 +89,7 @@ def test_bad_feature_sets_and_prompt_files_are_named(tmp_path, complete_set):
     GenDataSettings(shard_size=0)
 
 
+@pytest.mark.slow  # ~20 s; the library path it calls is tested above
 def test_cli_writes_a_feature_set(tmp_path):
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text("".join(json.dumps({"id": i, "turns": [p]}) + "\n"

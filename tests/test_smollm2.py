@@ -52,6 +52,7 @@ def test_bench_cli_reports_json(tmp_path):
     assert key in report, key
   assert report["n_questions"] == 2 and report["hf_mismatches"] == 0
   assert 2 <= report["new_tokens"] <= 16 and report["tokens_per_s"] > 0
+  assert report["device_kind"] and report["platform"] == "cpu"  # where the numbers come from
 
 
 def test_bench_cli_rejects_bad_question_file(tmp_path):
@@ -63,12 +64,18 @@ def test_bench_cli_rejects_bad_question_file(tmp_path):
   assert proc.returncode != 0 and "is not a FastChat question" in proc.stderr
 
 
+# Each method's greedy losslessness is tested in-process (test_speculative, test_gumiho,
+# test_jakiro_star, test_shipped_drafts); the CLI path runs once by default (the main job's
+# method), the others with -m slow (~30 s each on SmolLM2).
 @pytest.mark.parametrize("method,tree", [
-    ("eagle2", ["--top_k=2", "--depth=2", "--total_tokens=5"]),
+    pytest.param("eagle2", ["--top_k=2", "--depth=2", "--total_tokens=5"],
+                 marks=pytest.mark.slow),
     ("jakiro", ["--top_k=2", "--depth=2", "--total_tokens=5"]),
-    ("gumiho", ["--top_k=2", "--depth=6", "--total_tokens=6"]),  # 1 serial + 5 MLP levels
-    ("gumiho", ["--top_k=2", "--depth=6", "--total_tokens=6", "--fta"]),
-    ("jakiro_star", []),  # the static 26-node tree of the config
+    pytest.param("gumiho", ["--top_k=2", "--depth=6", "--total_tokens=6"],  # 1 serial + 5 MLP
+                 marks=pytest.mark.slow),
+    pytest.param("gumiho", ["--top_k=2", "--depth=6", "--total_tokens=6", "--fta"],
+                 marks=pytest.mark.slow),
+    pytest.param("jakiro_star", [], marks=pytest.mark.slow),  # the config's 26-node tree
 ])
 def test_bench_cli_random_draft_is_lossless(tmp_path, method, tree):
   questions = tmp_path / "q.jsonl"

@@ -38,14 +38,19 @@ def torch_model_from_target(target):
 
 
 def hf_greedy_generate(model, prompt: list[int], max_new_tokens: int,
-                       stop_ids: tuple[int, ...] = ()) -> list[int]:
-  """transformers greedy `generate` for one prompt; new tokens only (stop token kept)."""
+                       stop_ids: tuple[int, ...] = (), device=None,
+                       **generate_kwargs) -> list[int]:
+  """transformers greedy `generate` for one prompt; new tokens only (stop token kept).
+
+  `device`: where the model lives (inputs go there; default CPU). `generate_kwargs` go to
+  `model.generate` (e.g. `cache_implementation="static"`, `compile_config=...`)."""
   import torch
 
+  ids = torch.tensor([prompt], device=device)
   with torch.no_grad():
     out = model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        ids, attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
         eos_token_id=list(stop_ids) or None, pad_token_id=stop_ids[0] if stop_ids else 0,
-        temperature=None, top_p=None, top_k=None)
+        temperature=None, top_p=None, top_k=None, **generate_kwargs)
   return out[0, len(prompt):].tolist()

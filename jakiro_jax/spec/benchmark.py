@@ -66,6 +66,16 @@ def _timed_runs(prompts, generate_fn, desc):
   return [generate_fn(p, i) for i, p in enumerate(tqdm(prompts, desc=desc, file=sys.stderr))]
 
 
+def ar_summary(outputs: list, seconds: list) -> dict:
+  """The AR baseline dict (`ar_baseline`'s) of per-prompt outputs and timed seconds; also
+  used on a subset of the prompts (one question file of a pooled run)."""
+  tokens = sum(len(o) for o in outputs)
+  return {"outputs": outputs, "seconds": seconds, "ar_new_tokens": tokens,
+          "ar_tokens_per_s": tokens / sum(seconds),
+          "ar_median_tokens_per_s": statistics.median(
+              len(o) / s for o, s in zip(outputs, seconds))}
+
+
 def ar_baseline(target, prompts, max_new_tokens: int, sampling, seed: int,
                 mesh=None) -> dict:
   """Our AR loop on each prompt (batch 1, timed after a warm-up): outputs and rates.
@@ -76,32 +86,30 @@ def ar_baseline(target, prompts, max_new_tokens: int, sampling, seed: int,
       prompts, lambda p, i: generate_ar(target, [p], max_new_tokens, sampling, seed=seed + i,
                                         mesh=mesh),
       "ar")
-  outputs = [r.tokens[0] for r in runs]
-  seconds = [r.seconds for r in runs]
-  tokens = sum(len(o) for o in outputs)
-  return {"outputs": outputs, "seconds": seconds, "ar_new_tokens": tokens,
-          "ar_tokens_per_s": tokens / sum(seconds),
-          "ar_median_tokens_per_s": statistics.median(
-              len(o) / s for o, s in zip(outputs, seconds))}
+  return ar_summary([r.tokens[0] for r in runs], [r.seconds for r in runs])
 
 
-def spec_report(target, drafter, params, prompts, ar: dict, max_new_tokens: int, sampling,
-                seed: int, draft_name: str, mesh=None) -> tuple[dict, list]:
-  """Speculative generation on the prompts against the AR baseline `ar` of the same run:
-  (report fields, outputs). `accept_counts[j]` counts rounds that accepted j drafted
-  tokens, from which alpha_k per depth follows."""
+def spec_runs(target, drafter, params, prompts, max_new_tokens: int, sampling, seed: int,
+              mesh=None) -> list:
+  """Speculative generation of each prompt at batch 1 (timed after a warm-up compile per
+  prompt bucket): one `SpecOutput` per prompt."""
   from jakiro_jax.spec.generate import generate
-  from jakiro_jax.spec.round_timing import round_split
 
-  tree = drafter.tree
-  runs = _timed_runs(
+  return _timed_runs(
       prompts, lambda p, i: generate(target, drafter, params, [p], max_new_tokens, sampling,
                                      seed=seed + i, mesh=mesh), drafter.name)
+
+
+def spec_fields(drafter, runs: list, ar: dict, sampling, draft_name: str) -> dict:
+  """Report fields of `spec_runs` output against the AR baseline `ar` of the same prompts
+  (same order). `accept_counts[j]` counts rounds that accepted j drafted tokens, from which
+  alpha_k per depth follows."""
+  tree = drafter.tree
   outputs = [r.tokens[0] for r in runs]
   seconds = [r.seconds for r in runs]
   new_tokens = sum(len(o) for o in outputs)
   accepts = [a for r in runs for a in r.accept_lens[0]]
-  report = dict(
+  return dict(
       draft=draft_name, fta=bool(getattr(drafter, "fta", False)),
       reference_parity=bool(getattr(drafter, "reference_parity", False)),
       top_k_tree=tree.top_k, depth=tree.depth, total_tokens=tree.total_tokens,
@@ -116,14 +124,30 @@ def spec_report(target, drafter, params, prompts, ar: dict, max_new_tokens: int,
       greedy_mismatches=(sum(a != b for a, b in zip(outputs, ar["outputs"]))
                          if sampling.greedy else None),
       draft_forwards_per_round=drafter.draft_forwards_per_round())
+
+
+def spec_report(target, drafter, params, prompts, ar: dict, max_new_tokens: int, sampling,
+                seed: int, draft_name: str, mesh=None) -> tuple[dict, list]:
+  """Speculative generation on the prompts against the AR baseline `ar` of the same run:
+  (report fields, outputs); see `spec_fields`, plus the draft/verify split of a round
+  (`round_timing.round_split`) at the mean context length."""
+  from jakiro_jax.spec.round_timing import round_split
+
+  runs = spec_runs(target, drafter, params, prompts, max_new_tokens, sampling, seed, mesh)
+  report = spec_fields(drafter, runs, ar, sampling, draft_name)
   context = int(statistics.mean(len(p) for p in prompts)) + max_new_tokens // 2
   report.update(round_context_len=context,
                 **round_split(target, drafter, params, context, sampling))
-  return report, outputs
+  return report, [r.tokens[0] for r in runs]
 
 
 def base_report(method: str, target, prompts, max_new_tokens: int, sampling, ar: dict) -> dict:
-  return {"method": method, "target": target.name, "temperature": sampling.temperature,
+  """The fields every bench / eval_suite result holds, the device the numbers come from
+  (`device_kind`, `platform`) among them."""
+  import jax
+  device = jax.devices()[0]
+  return {"method": method, "target": target.name, "device_kind": device.device_kind,
+          "platform": device.platform, "temperature": sampling.temperature,
           "top_p": sampling.top_p, "top_k": sampling.top_k, "n_questions": len(prompts),
           "max_new_tokens": max_new_tokens,
           **{k: v for k, v in ar.items() if k not in ("outputs", "seconds")}}
