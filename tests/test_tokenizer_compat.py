@@ -43,6 +43,10 @@ def test_portable_files_keep_the_chat_template_and_class(tmp_path):
 
 def test_exported_smollm2_tokenizer_loads_here(smollm2, tmp_path):
   smollm2.save_hf(tmp_path / "hf")
+  # What transformers 4.x needs (the slow test below loads it there).
+  config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+  assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+  assert "<|im_start|>" in config["chat_template"]
   got = probe(sys.executable, tmp_path / "hf")
   assert got["class"] == "PreTrainedTokenizerFast" or got["class"] == "TokenizersBackend"
   assert got["eos"] == 2

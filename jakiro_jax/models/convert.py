@@ -15,6 +15,7 @@ from typing import Mapping
 import numpy as np
 
 from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.models.tokenizer_files import make_tokenizer_files_portable
 
 _HF_LAYER = "model.layers.{i}."
 
@@ -336,5 +337,7 @@ def write_hf_files(cfg: LlamaConfig, variables: Mapping, out_dir: str,
   if tokenizer is not None:
     hf.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     tokenizer.save_pretrained(out_dir)
+    # transformers 5 names 5.x-only classes and fields; the original code runs on 4.x
+    make_tokenizer_files_portable(out_dir)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
