@@ -11,7 +11,6 @@ effective bandwidth.
 from __future__ import annotations
 
 import functools
-import time
 
 import numpy as np
 from absl import app, flags
@@ -24,17 +23,6 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
 _SLOTS = flags.DEFINE_list("slots", ["128", "512", "2048"], "Cache sizes to time.")
 
 
-def median_ms(fn, repeats=30):
-  for _ in range(3):
-    fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times) * 1e3)
-
-
 def main(argv):
   del argv
   import jax
@@ -42,6 +30,7 @@ def main(argv):
 
   from jakiro_jax.models import llama
   from jakiro_jax.models.kv_cache import causal_mask
+  from jakiro_jax.spec.round_timing import median_ms
   from jakiro_jax.target import load_target
 
   target = load_target(_CONFIG.value.target, dtype=_CONFIG.value.dtype, with_tokenizer=False)
@@ -69,7 +58,7 @@ def main(argv):
       def run():
         out, state["cache"] = step(target.params, token, state["cache"], logits=logits)
         out.block_until_ready()
-      row.append(median_ms(run))
+      row.append(median_ms(run, repeats=30, warmup=3))
     print(f"cache {slots:5d} slots: step {row[0]:.2f} ms ({1e3 / row[0]:.1f} tok/s, "
           f"{weight_bytes / row[0] / 1e6:.1f} GB/s effective); without lm_head {row[1]:.2f} ms")
   head = jnp.asarray(np.random.randn(target.config.vocab_size, target.config.hidden_size)

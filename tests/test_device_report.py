@@ -152,6 +152,28 @@ def test_speculative_tiny_random_draft():
   assert "AR chosen" in markdown
 
 
+def test_speculative_full_size_papers_tree_and_bf16_check():
+  """What only the accelerator size runs: the papers' tree and the bf16 greedy check."""
+  config = smollm2_config()
+  settings = dr.speculative_settings("full", config, ["eagle2"], "unused", ["a", "b"],
+                                     n_questions=1, max_new_tokens=6, draft="random")
+  assert settings["bf16_check"] and ["tuned", 1, "eagle2"] in settings["units"]
+  settings["units"] = [["papers", 0, "eagle2"]]
+  result = dr.speculative(tiny_target, config, tiny_prompts(), settings, progress=False)
+  rows = {r["key"]: r for r in result["rows"]}
+  assert set(rows) == {"papers/T0/eagle2", "bf16_check/eagle2"}, rows
+  papers = rows["papers/T0/eagle2"]
+  assert not papers.get("error"), papers.get("error")
+  assert papers["tree"] == {"top_k": 10, "depth": 5, "total_tokens": 60}
+  assert papers["greedy_mismatches"] == 0
+  check = rows["bf16_check/eagle2"]
+  assert not check.get("error"), check.get("error")
+  assert check["dtype"] == "bfloat16" and check["n_prompts"] == 2
+  assert check["greedy_mismatches"] == len(check["divergences"])
+  for d in check["divergences"]:  # each one says how close the target's top two were
+    assert d["top2_gap"] >= 0
+
+
 def test_speculative_without_tree_tuning_module(monkeypatch):
   config = smollm2_config()
   settings = dr.speculative_settings("cpu", config, ["eagle2"], "unused", ["a", "b"],
@@ -205,6 +227,8 @@ def test_peers_static_compile_tiny(tiny_pair):
   assert not compiled.get("error_text"), compiled["error_text"]
   assert compiled["n_prompts"] == 1 and compiled["compile_seconds"] > 0
   assert compiled["greedy_mismatches"] == 0
+  same = rows["ours_ar_compile_prompts"]  # ours on the compiled row's one prompt
+  assert same["n_prompts"] == 1 and same["tokens_per_s"] > 0
   assert rows["original/gumiho"]["status"].startswith("not implemented yet")
 
 

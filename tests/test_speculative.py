@@ -9,6 +9,7 @@ import pytest
 
 from conftest import random_prompts, tiny_hf_model
 from drafters import OracleDrafter
+from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
 from jakiro_jax.spec import generate as spec_generate
 from jakiro_jax.spec.autoregressive import generate_ar
@@ -162,5 +163,10 @@ def test_bad_inputs_raise(target):
     generate(target, small_vocab, params, [[5]], 4)
   with pytest.raises(ValueError, match="draft params do not match"):
     generate(target, drafter, {"params": {}}, [[5]], 4)
+  with pytest.raises(ValueError, match="top_k=120 exceeds the target's vocabulary of 97"):
+    make_drafter("eagle2", target.config, TreeConfig(top_k=120, depth=1, total_tokens=5))
+  with pytest.raises(ValueError, match="mlp_topk=98 exceeds the target's vocabulary of 97"):
+    make_drafter("gumiho", target.config, TreeConfig(top_k=2, depth=3, total_tokens=8),
+                 mlp_num=2, mlp_topk=98, pruning=3)
   with pytest.raises(ValueError, match="temperature must be >= 0"):
     generate(target, drafter, params, [[5]], 4, SamplingConfig(temperature=-0.5))

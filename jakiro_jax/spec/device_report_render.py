@@ -236,7 +236,9 @@ def render_markdown(report: Mapping) -> str:
 def _short_peer(row: Mapping) -> str:
   key = row["key"]
   return {"ours_ar": "ours: JAX AR loop", "hf_eager": "transformers eager",
-          "hf_static_compile": "transformers static\n+ torch.compile"}.get(key, key)
+          "hf_static_compile": "transformers static\n+ torch.compile",
+          "ours_ar_compile_prompts": "ours: JAX AR loop,\nthe compiled row's prompts"
+          }.get(key, key)
 
 
 def render_png(report: Mapping, path: str) -> None:

@@ -6,26 +6,58 @@ functions at a representative context length (medians of repeated calls).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.models.kv_cache import tree_mask
+from jakiro_jax.models.kv_cache import causal_mask, tree_mask
 from jakiro_jax.models.llama import Llama, new_cache
 from jakiro_jax.spec.generate import check_draft_fits, draft_context, draft_tree
 from jakiro_jax.spec.sampling import SamplingConfig
 
 
-def _median_ms(fn, *args, repeats: int = 7) -> float:
-  jax.block_until_ready(fn(*args))  # compile
+def median_ms(fn, repeats: int = 7, warmup: int = 2) -> float:
+  """Median wall ms of `fn()` over `repeats` calls after `warmup` untimed ones (the first
+  compiles); waits for every array `fn` returns."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
   return float(np.median(times) * 1e3)
+
+
+def decode_step_fn(config):
+  """The jitted, cache-donating AR decode step of a target of `config`:
+  `(params, token [B, 1], cache) -> (logits [B, 1, V], cache)`; the cache lengths stay,
+  so every call times the same step."""
+  model = Llama(config)
+
+  @functools.partial(jax.jit, donate_argnames=("cache",))
+  def step(params, token, cache):
+    lengths = cache.lengths
+    logits, _, cache = model.apply(params, token, lengths[:, None], cache,
+                                   causal_mask(lengths, 1, cache.max_len))
+    return logits, cache.replace(lengths=lengths)
+  return step
+
+
+def ar_step_ms(target, context_len: int) -> float:
+  """Median ms of one jitted batch-1 decode step (logits included) at `context_len`."""
+  step = decode_step_fn(target.config)
+  state = {"cache": new_cache(target.config, 1, context_len + 64).replace(
+      lengths=jnp.array([context_len], jnp.int32))}
+  token = jnp.ones((1, 1), jnp.int32)
+
+  def run():
+    logits, state["cache"] = step(target.params, token, state["cache"])
+    return logits
+  return median_ms(run, repeats=15)
 
 
 def round_split(target, drafter, draft_params, context_len: int,
@@ -64,7 +96,8 @@ def round_split(target, drafter, draft_params, context_len: int,
     return drafter.accept(tree, plan, logits, sampling, jax.random.PRNGKey(0)).path
 
   target_cache = new_cache(target.config, 1, max_len).replace(lengths=lengths)
-  draft_ms = _median_ms(draft_jit, draft_params, target.params, draft_cache)
-  verify_ms = _median_ms(jax.jit(verify_part), target.params, tree, target_cache)
+  draft_ms = median_ms(lambda: draft_jit(draft_params, target.params, draft_cache))
+  verify_jit = jax.jit(verify_part)
+  verify_ms = median_ms(lambda: verify_jit(target.params, tree, target_cache))
   return {"draft_ms": draft_ms, "verify_ms": verify_ms,
           "draft_time_share": draft_ms / (draft_ms + verify_ms)}

@@ -26,13 +26,11 @@ import logging
 import os
 import statistics
 import sys
-import time
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
+from jakiro_jax.spec.round_timing import ar_step_ms
 from jakiro_jax.spec.sampling import SamplingConfig
 from jakiro_jax.spec.tree import TreeConfig
 
@@ -200,43 +198,6 @@ def apply_choice(drafter, choice: TreeChoice):
   if "choices" in choice.options:
     return dataclasses.replace(drafter, tree=None, **choice.options)
   return dataclasses.replace(drafter, tree=choice.tree, **choice.options)
-
-
-def _median_ms(fn, repeats: int = 7) -> float:
-  for _ in range(2):
-    fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times) * 1e3)
-
-
-def ar_step_ms(target, context_len: int) -> float:
-  """Median ms of one jitted batch-1 decode step (logits included) at `context_len`."""
-  import functools
-
-  from jakiro_jax.models.kv_cache import causal_mask
-  from jakiro_jax.models.llama import Llama, new_cache
-
-  model = Llama(target.config)
-
-  @functools.partial(jax.jit, donate_argnames=("cache",))
-  def step(params, token, cache):
-    lengths = cache.lengths
-    logits, _, cache = model.apply(params, token, lengths[:, None], cache,
-                                   causal_mask(lengths, 1, cache.max_len))
-    return logits, cache.replace(lengths=lengths)
-
-  state = {"cache": new_cache(target.config, 1, context_len + 64).replace(
-      lengths=jnp.array([context_len], jnp.int32))}
-  token = jnp.ones((1, 1), jnp.int32)
-
-  def run():
-    logits, state["cache"] = step(target.params, token, state["cache"])
-    logits.block_until_ready()
-  return _median_ms(run, repeats=15)
 
 
 def device_description() -> tuple[str, str]:
