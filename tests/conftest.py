@@ -6,6 +6,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+  # Two xdist workers share the cores: torch's OpenMP threads spin-wait and, beside the
+  # other worker's XLA threads, made a 17 s transformers comparison take 100 s. One torch
+  # thread per worker. (XLA keeps its threads: fewer changes float sums in the last bits.)
+  os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 import pytest

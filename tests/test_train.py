@@ -462,6 +462,9 @@ def _logged_steps(out_dir) -> int:
     return sum(1 for line in f if '"kind": "train"' in line)
 
 
+# tests/test_multiprocess.py kills one of two training processes and resumes both through
+# `launch.train --resume` by default; this one-process variant runs with -m slow.
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tiny_target, feature_set, tmp_path):
   target_dir, _ = tiny_target
   data_dir, _ = feature_set
