@@ -7,7 +7,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUESTIONS = os.path.join(REPO, "..", "shared", "data", "eval", "qa.jsonl")
+QUESTIONS = "{questions}"  # a valid question file, written by the test
 
 
 def run(module, *args):
@@ -40,8 +40,10 @@ def error_lines(proc):
     ("launch.gen_data", ["--config=configs/smollm2_135m.py", "--prompts=nope.jsonl",
                          "--out=/tmp/x"], "--prompts: no such file nope.jsonl"),
 ])
-def test_user_errors_are_one_line(module, args, message):
-  proc = run(module, *args)
+def test_user_errors_are_one_line(module, args, message, tmp_path):
+  questions = tmp_path / "q.jsonl"
+  questions.write_text('{"question_id": 1, "turns": ["Hi"]}\n')
+  proc = run(module, *[a.format(questions=questions) for a in args])
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
   lines = error_lines(proc)
