@@ -46,11 +46,12 @@ class Target:
     ids = [i for i in ids if i not in self.stop_ids]
     return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-  def save_hf(self, out_dir: str | os.PathLike, overwrite: bool = False) -> None:
+  def save_hf(self, out_dir: str | os.PathLike, overwrite: bool = False,
+              always_index: bool = False) -> None:
     """Writes a HuggingFace directory (config.json, safetensors, tokenizer files), all at
     once; a non-empty `out_dir` is refused unless `overwrite` (`convert.write_hf_dir`)."""
     convert.write_hf_dir(self.config, self.params, out_dir, tokenizer=self.tokenizer,
-                         overwrite=overwrite)
+                         overwrite=overwrite, always_index=always_index)
 
 
 def _stop_ids(hf_config: Mapping[str, Any], tokenizer) -> tuple[int, ...]:

@@ -174,18 +174,6 @@ def test_speculative_full_size_papers_tree_and_bf16_check():
     assert d["top2_gap"] >= 0
 
 
-def test_speculative_without_tree_tuning_module(monkeypatch):
-  config = smollm2_config()
-  settings = dr.speculative_settings("cpu", config, ["eagle2"], "unused", ["a", "b"],
-                                     n_questions=1, max_new_tokens=4, draft="random")
-  settings.update(units=[["tuned", 0, "eagle2"]], not_measured=[])
-  monkeypatch.setitem(sys.modules, "jakiro_jax.spec.tree_tuning", None)  # import fails
-  result = dr.speculative(tiny_target, config, tiny_prompts(), settings, progress=False)
-  assert result["rows"] == []
-  reasons = [s["reason"] for s in result["skipped"] if s["item"] == "tuned/T0/eagle2"]
-  assert len(reasons) == 1 and "not importable" in reasons[0]
-
-
 def test_divergence_top2_gap():
   from jakiro_jax.spec.autoregressive import generate_ar
   target = tiny_target()

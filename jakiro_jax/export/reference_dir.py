@@ -296,21 +296,6 @@ def _check_embedding(stored, target, path) -> None:
 
 
 def write_target_hf_dir(target, out_dir, overwrite: bool = False) -> None:
-  """`Target.save_hf`, plus `model.safetensors.index.json` for an unsharded file: the original
-  draft code reads the base embedding through that index. Written all at once, like
-  `convert.write_hf_dir` (a non-empty `out_dir` needs `overwrite`)."""
-  from jakiro_jax.atomic_dir import atomic_dir
-  from jakiro_jax.models.convert import write_hf_files
-
-  with atomic_dir(out_dir, overwrite) as tmp:
-    write_hf_files(target.config, target.params, tmp, tokenizer=target.tokenizer)
-    index = os.path.join(tmp, "model.safetensors.index.json")
-    single = os.path.join(tmp, SAFETENSORS)
-    if not os.path.exists(index) and os.path.exists(single):
-      from safetensors import safe_open
-      with safe_open(single, framework="numpy") as f:
-        names = list(f.keys())
-      total = os.path.getsize(single)
-      with open(index, "w") as f:
-        json.dump({"metadata": {"total_size": total},
-                   "weight_map": {k: SAFETENSORS for k in sorted(names)}}, f, indent=2)
+  """`Target.save_hf`, with `model.safetensors.index.json` even for an unsharded file: the
+  original draft code reads the base embedding through that index."""
+  target.save_hf(out_dir, overwrite=overwrite, always_index=True)

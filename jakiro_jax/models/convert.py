@@ -295,22 +295,17 @@ def _load_safetensors_any_dtype(path, load_file):
 
 def write_hf_dir(cfg: LlamaConfig, variables: Mapping, out_dir: str | os.PathLike,
                  tokenizer=None, max_shard_bytes: int = 2 << 30,
-                 overwrite: bool = False) -> None:
-  """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`).
+                 overwrite: bool = False, always_index: bool = False) -> None:
+  """Writes config.json + safetensors (sharded past `max_shard_bytes`) + tokenizer files.
 
+  `model.safetensors.index.json` is written for a sharded model, and with `always_index`
+  for a single file too (the original draft code reads the base embedding through it).
   All at once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused unless
   `overwrite`, and then replaced whole, so no file of an older model stays beside the new.
   """
-  from jakiro_jax.atomic_dir import atomic_dir
-
-  with atomic_dir(out_dir, overwrite) as tmp:
-    write_hf_files(cfg, variables, tmp, tokenizer, max_shard_bytes)
-
-
-def write_hf_files(cfg: LlamaConfig, variables: Mapping, out_dir: str,
-                   tokenizer=None, max_shard_bytes: int = 2 << 30) -> None:
-  """`write_hf_dir`'s files, written into the existing (empty) directory `out_dir`."""
   from safetensors.numpy import save_file
+
+  from jakiro_jax.atomic_dir import atomic_dir
 
   state = params_to_hf(cfg, variables)
   shards, current, size = [], {}, 0
@@ -322,22 +317,21 @@ def write_hf_files(cfg: LlamaConfig, variables: Mapping, out_dir: str,
     current[key] = state[key]
     size += nbytes
   shards.append(current)
-  if len(shards) == 1:
-    save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-  else:
-    weight_map = {}
-    for n, shard in enumerate(shards):
-      name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-      save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-      weight_map.update({k: name for k in shard})
-    total = sum(a.nbytes for a in state.values())
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))])
   hf = cfg.to_hf_dict()
-  if tokenizer is not None:
-    hf.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    tokenizer.save_pretrained(out_dir)
-    # transformers 5 names 5.x-only classes and fields; the original code runs on 4.x
-    make_tokenizer_files_portable(out_dir)
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf, f, indent=2)
+  with atomic_dir(out_dir, overwrite) as tmp:
+    for name, shard in zip(names, shards):
+      save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
+    if len(shards) > 1 or always_index:
+      weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+      total = sum(a.nbytes for a in state.values())
+      with open(os.path.join(tmp, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if tokenizer is not None:
+      hf.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+      tokenizer.save_pretrained(tmp)
+      # transformers 5 names 5.x-only classes and fields; the original code runs on 4.x
+      make_tokenizer_files_portable(tmp)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(hf, f, indent=2)

@@ -511,36 +511,25 @@ def spec_unit_row(target, drafter, params, prompts: Mapping, ar_runs: Mapping, s
 
 
 def next_token_logits(target, tokens: Sequence[int]) -> np.ndarray:
-  """The target's fp32 logits `[V]` for the token after `tokens` (one forward over the
-  whole prefix, padded to its prompt bucket)."""
-  import jax.numpy as jnp
-
+  """The target's logits `[V]` for the token after `tokens`: the AR loop's `prefill` over
+  the prefix, padded to its prompt bucket (one compilation per bucket)."""
   from jakiro_jax.spec.batching import prompt_bucket
-  return np.asarray(_prefix_logits_fn(target.config, prompt_bucket(len(tokens)))(
-      target.params, jnp.asarray(np.pad(np.asarray(tokens, np.int32),
-                                        (0, prompt_bucket(len(tokens)) - len(tokens)))),
-      jnp.int32(len(tokens))))
+  length = prompt_bucket(len(tokens))
+  padded = np.pad(np.asarray(tokens, np.int32), (0, length - len(tokens)))[None]
+  return np.asarray(_prefill_logits_fn(target.config)(
+      target.params, padded, np.array([len(tokens)], np.int32))[0])
 
 
 @functools.lru_cache(maxsize=None)
-def _prefix_logits_fn(config, length: int):
+def _prefill_logits_fn(config):
   import jax
-  import jax.numpy as jnp
 
-  from jakiro_jax.models.kv_cache import causal_mask
   from jakiro_jax.models.llama import Llama, new_cache
+  from jakiro_jax.spec.autoregressive import prefill
 
   model = Llama(config)
-
-  @jax.jit
-  def logits(params, tokens, n):
-    cache = new_cache(config, 1, length)
-    positions = jnp.arange(length, dtype=jnp.int32)[None]
-    _, features, _ = model.apply(params, tokens[None], positions, cache,
-                                 causal_mask(jnp.zeros((1,), jnp.int32), length, length),
-                                 compute_logits=False)
-    return model.apply(params, features[0, n - 1], method=Llama.logits)
-  return logits
+  return jax.jit(lambda params, tokens, lengths: prefill(
+      model, params, tokens, lengths, new_cache(config, 1, tokens.shape[1]))[0])
 
 
 def divergence(target, prompt, ar_tokens, spec_tokens) -> dict | None:
@@ -584,12 +573,8 @@ def speculative(get_target: Callable[[str], Any], config, prompts: Mapping[str, 
   target = get_target(settings["dtype"])
   files, flat = _flat_prompts(prompts)
   draft = settings.get("draft")
-  tune_error = None
-  if tune_tree_fn is None and any(u[0] == "tuned" for u in settings["units"]):
-    try:
-      from jakiro_jax.spec.tree_tuning import tune_tree as tune_tree_fn
-    except Exception as e:  # noqa: BLE001  being written elsewhere: report, do not crash
-      tune_error = f"jakiro_jax.spec.tree_tuning.tune_tree not importable: {type(e).__name__}: {e}"
+  if tune_tree_fn is None:
+    from jakiro_jax.spec.tree_tuning import tune_tree as tune_tree_fn
 
   def run_unit(tree_set, temperature, method):
     sampling = SamplingConfig(temperature=float(temperature))
@@ -649,12 +634,9 @@ def speculative(get_target: Callable[[str], Any], config, prompts: Mapping[str, 
   for tree_set, temperature, method in tuned:
     key = f"{tree_set}/T{temperature}/{method}"
     bar.set_postfix_str(key)
-    if tune_error:
-      section.skip(key, tune_error)
-    else:
-      # a tuning times and calibrates about ten trees: budget it as at least two units
-      section.unit(key, functools.partial(run_unit, tree_set, temperature, method),
-                   kind="tuned", estimate_s=2 * section.longest())
+    # a tuning times and calibrates about ten trees: budget it as at least two units
+    section.unit(key, functools.partial(run_unit, tree_set, temperature, method),
+                 kind="tuned", estimate_s=2 * section.longest())
     bar.update()
   bar.close()
   return section.finish()
@@ -923,7 +905,7 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
 
   from jakiro_jax.drafts import make_drafter
   from jakiro_jax.models.kv_cache import causal_mask
-  from jakiro_jax.models.llama import Llama, init_params, new_cache
+  from jakiro_jax.models.llama import init_params, new_cache
   from jakiro_jax.spec.batching import round_up
   from jakiro_jax.spec.tree import TreeConfig
 
@@ -935,7 +917,7 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
   cfg = scale_config(settings)
   context = settings["context"]
   slots = round_up(context + max(settings["node_counts"]) + 64, 64)
-  model = Llama(cfg)
+  forward = decode_step_fn(cfg)
   state: dict = {}
 
   def params():
@@ -945,15 +927,6 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
       jax.block_until_ready(state["params"])
       section.extra["weight_bytes"] = weight_bytes(state["params"])
     return state["params"]
-
-  @functools.partial(jax.jit, donate_argnames=("cache",))
-  def forward(params, tokens, cache):
-    lengths = cache.lengths
-    n = tokens.shape[1]
-    positions = lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
-    logits, _, cache = model.apply(params, tokens, positions, cache,
-                                   causal_mask(lengths, n, cache.max_len))
-    return logits, cache.replace(lengths=lengths)
 
   def forward_ms(n: int) -> float:
     p = params()

@@ -33,16 +33,20 @@ def median_ms(fn, repeats: int = 7, warmup: int = 2) -> float:
 
 
 def decode_step_fn(config):
-  """The jitted, cache-donating AR decode step of a target of `config`:
-  `(params, token [B, 1], cache) -> (logits [B, 1, V], cache)`; the cache lengths stay,
-  so every call times the same step."""
+  """The jitted, cache-donating forward of a target of `config` over `T` new tokens after
+  each row's cache: `(params, tokens [B, T], cache) -> (logits [B, T, V], cache)`. T = 1
+  is the AR decode step; T = N costs what the verify forward of an N-node tree costs (the
+  mask pattern does not change the dense attention's work). The cache lengths stay, so
+  every call times the same step."""
   model = Llama(config)
 
   @functools.partial(jax.jit, donate_argnames=("cache",))
-  def step(params, token, cache):
+  def step(params, tokens, cache):
     lengths = cache.lengths
-    logits, _, cache = model.apply(params, token, lengths[:, None], cache,
-                                   causal_mask(lengths, 1, cache.max_len))
+    n = tokens.shape[1]
+    positions = lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
+    logits, _, cache = model.apply(params, tokens, positions, cache,
+                                   causal_mask(lengths, n, cache.max_len))
     return logits, cache.replace(lengths=lengths)
   return step
 
