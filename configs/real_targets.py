@@ -22,7 +22,7 @@ All: betas (0.9, 0.95), max_len 2048, bf16; batch 4 per device in the papers (32
 8 GPUs), 32 global here.
 """
 
-from jakiro_jax.spec.static_tree import JAKIRO_STAR_CHOICES, static_tree
+from jakiro_jax.speculative.static_tree import JAKIRO_STAR_CHOICES
 from jakiro_jax.train.trainer import default_config
 
 METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
@@ -39,8 +39,14 @@ def real_target_config(target_placeholder: str, method: str, fc_bias: bool = Tru
   c.target = target_placeholder  # override: --config.target=/path/to/hf_model_dir
   c.dtype = "bfloat16"
   c.system_prompt = ""  # launch.bench: empty = the chat template's own default
-  c.gumiho = dict(GUMIHO)  # launch.bench reads Gumiho's tree from here
-  c.jakiro_star = dict(choices=[list(x) for x in JAKIRO_STAR_CHOICES])  # and Jakiro*'s
+  # Every method's block (train reads the one of c.method, the bench any of them).
+  c.drafts = dict(
+      eagle2=dict(tree=dict(EAGLE_TREE), fc_bias=fc_bias),
+      jakiro=dict(tree=dict(EAGLE_TREE), fc_bias=fc_bias),
+      jakiro_star=dict(choices=[list(x) for x in JAKIRO_STAR_CHOICES], fc_bias=fc_bias),
+      gumiho=dict(tree={k: GUMIHO[k] for k in ("top_k", "depth", "total_tokens")},
+                  fc_bias=fc_bias, **{k: GUMIHO[k] for k in ("mlp_num", "mlp_topk",
+                                                              "pruning")}))
   c.max_len = 2048
   c.batch_size = 32  # global; split over data x fsdp
   # A bf16 7B target is ~13.5 GB: split it 4 ways over fsdp (fits 16 GB v5e chips);
@@ -50,27 +56,19 @@ def real_target_config(target_placeholder: str, method: str, fc_bias: bool = Tru
   c.b1, c.b2 = 0.9, 0.95
   c.save_every, c.eval_every, c.eval_rows, c.log_every = 2000, 2000, 64, 50
   if method == "eagle2":
-    c.tree.update(**EAGLE_TREE)
     c.lr, c.warmup_steps, c.weight_decay, c.num_epochs = 3e-5, 2000, 0.01, 20.0
     c.clip_mode, c.clip = "value", 0.5
   elif method == "jakiro":
-    c.tree.update(**EAGLE_TREE)
     c.lr, c.warmup_steps, c.weight_decay, c.num_epochs = 9e-5, 2000, 1e-3, 21.0
     c.clip_mode, c.clip = "value", 0.5
     c.loss.update(v_weight=1.0, p_weight=0.1, contrast_weight=0.5)
   elif method == "jakiro_star":
-    tree = static_tree(JAKIRO_STAR_CHOICES).tree_config()
-    c.tree.update(top_k=tree.top_k, depth=tree.depth, total_tokens=tree.total_tokens)
-    c.draft.choices = [list(x) for x in JAKIRO_STAR_CHOICES]
     c.lr, c.warmup_steps, c.weight_decay, c.num_epochs = 9e-5, 2000, 1e-3, 31.0
     c.clip_mode, c.clip = "value", 0.5
     c.loss.update(v_weight=1.0, p_weight=0.1)
   else:
-    c.tree.update(**{k: GUMIHO[k] for k in ("top_k", "depth", "total_tokens")})
-    c.draft.update(**{k: GUMIHO[k] for k in ("mlp_num", "mlp_topk", "pruning")})
     c.lr, c.warmup_steps, c.weight_decay, c.num_epochs = 2e-4, 200, 0.0, 20.0
     c.clip_mode, c.clip = "global_norm", 0.5
     c.loss.update(v_weight=1.0, p_weight=0.1, mlp_v_weight=1.0, mlp_p_weight=0.1,
                   mlp_p_start_epoch=2, mlp_loss_weight=9.0, mlp_decay=0.8)
-  c.draft.fc_bias = fc_bias
   return c

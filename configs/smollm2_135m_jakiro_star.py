@@ -8,7 +8,7 @@ by one. Spec recipe (Jakiro*, 7B on GPUs) in the comments; the values here suit 
 """
 
 from configs.smollm2_135m_cpu import cpu_training
-from jakiro_jax.spec.static_tree import JAKIRO_STAR_CHOICES, static_tree
+from jakiro_jax.speculative.static_tree import JAKIRO_STAR_CHOICES
 from jakiro_jax.train.trainer import default_config
 
 
@@ -16,9 +16,7 @@ def get_config():
   c = cpu_training(default_config())
   c.method = "jakiro_star"
   # The static tree of configs/smollm2_135m.py; the tree sizes follow from it.
-  c.draft.choices = [list(choice) for choice in JAKIRO_STAR_CHOICES]
-  tree = static_tree(JAKIRO_STAR_CHOICES).tree_config()
-  c.tree.update(top_k=tree.top_k, depth=tree.depth, total_tokens=tree.total_tokens)
+  c.drafts.jakiro_star = dict(choices=[list(choice) for choice in JAKIRO_STAR_CHOICES])
   # lr 3e-4 (configs/smollm2_135m_cpu.py); spec: 9e-5, linear warm-up 2000 then linear decay
   c.weight_decay = 1e-3  # spec
   c.clip_mode, c.clip = "value", 0.5  # spec: clip_grad_value_(0.5)

@@ -20,18 +20,21 @@ siblings attend to each other (causal mask) instead of only to their own ancesto
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.drafts.eagle2 import (Eagle2Drafter, draft_layer_config, fc_params,
-                                     fuse_token_and_feature)
+from jakiro_jax.drafts.base import (Chain, DraftHead, RoundInputs, TargetHead, fc_params,
+                                   fuse_token_and_feature)
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
-from jakiro_jax.models.llama import DecoderLayer, Llama, _matmul_out_in, _weight
+from jakiro_jax.models.llama import DecoderLayer, _matmul_out_in, _weight
+from jakiro_jax.speculative.tree import (Candidates, TreeConfig, build_tree, level_one,
+                                         next_frontier, topk_level)
 from gumiho_jax.fta import accept_rows_greedy, full_tree_attention
-from jakiro_jax.spec.tree import Candidates, Frontier, TreeConfig, level_one, topk_level
+from gumiho_jax.losses import gumiho_loss
 
 MLP_BLOCKS = 6
 # The paper's tree (and the original code's defaults, with mlp_num 5, mlp_topk 35,
@@ -91,7 +94,7 @@ class MLPHead(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class GumihoDrafter(Eagle2Drafter):
+class GumihoDrafter(DraftHead):
   tree: TreeConfig = DEFAULT_TREE
   mlp_num: int = 5
   mlp_topk: int = 35
@@ -101,7 +104,10 @@ class GumihoDrafter(Eagle2Drafter):
   # Full Tree Attention (gumiho_jax/fta.py). NOT target-preserving: it can change greedy
   # output; the bench reports the mismatches it causes. Greedy decoding only.
   fta: bool = False
-  name: str = "gumiho"
+  name: ClassVar[str] = "gumiho"
+  inference_options: ClassVar[tuple[str, ...]] = ("fta", "reference_parity", "mlp_topk",
+                                                  "pruning")
+  torch_layout: ClassVar = None  # gumiho_jax/export.py sets it
 
   def __post_init__(self):
     serial = self.tree.depth - self.mlp_num
@@ -121,10 +127,6 @@ class GumihoDrafter(Eagle2Drafter):
   def serial_steps(self) -> int:
     return self.tree.depth - self.mlp_num
 
-  @property
-  def layer_config(self) -> LlamaConfig:
-    return draft_layer_config(self.target_config, self.num_layers)
-
   def module(self) -> GumihoDraft:
     return GumihoDraft(self.layer_config, self.mlp_num, self.fc_bias)
 
@@ -135,11 +137,6 @@ class GumihoDrafter(Eagle2Drafter):
     pos = jnp.zeros((1, 1), jnp.int32)
     return self.module().init(rng, x, x, pos, cache, jnp.ones((1, 1, 2), bool),
                               method=GumihoDraft.init_all)
-
-  def new_cache(self, batch: int, max_len: int) -> KVCache:
-    cfg = self.layer_config
-    return KVCache.init(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
-                        cfg.dtype)
 
   def extra_cache_slots(self) -> int:
     return max(self.serial_steps * self.tree.top_k, self.tree.max_path)
@@ -161,13 +158,21 @@ class GumihoDrafter(Eagle2Drafter):
                        "code's FTA at temperature > 0 indexes its rows wrongly)")
     return accept_rows_greedy(tree, *plan, logits, self.tree.max_path)
 
-  def _embed(self, target_params, tokens):
-    return Llama(self.target_config).apply(target_params, tokens, method=Llama.embed)
+  def mlp_heads(self, params, head: TargetHead, pair_tokens, pair_hidden):
+    """The parallel heads: pair_tokens `[..., 2]`, pair_hidden `[..., 2, D]` (two serial
+    levels) -> `[..., M, D]`."""
+    return self.module().apply(params, head.embed(pair_tokens), pair_hidden,
+                               method=GumihoDraft.parallel)
 
-  def expand(self, run_forward, hidden_root, draft_params, target_params):
+  def draft(self, inputs: RoundInputs):
+    candidates = self.expand(inputs)
+    return build_tree(candidates, inputs.root, self.tree.total_tokens, self.tree.depth + 1)
+
+  def expand(self, inputs: RoundInputs) -> Candidates:
+    head, hidden_root = inputs.head, inputs.carried_root
     k, batch = self.tree.top_k, hidden_root.shape[0]
     slots = self.serial_steps * k
-    frontier = level_one(self.log_probs(target_params, hidden_root), hidden_root, k, slots)
+    frontier = level_one(self.log_probs(head, hidden_root), hidden_root, k, slots)
     pool_tokens, pool_scores = [frontier.tokens], [frontier.scores]
     pool_parent = [jnp.full((batch, k), -1, jnp.int32)]
     previous = frontier
@@ -176,24 +181,15 @@ class GumihoDrafter(Eagle2Drafter):
         causal = jnp.tril(jnp.ones((k, k), bool))
         ancestor = jnp.zeros((batch, k, slots), bool).at[:, :, i * k:(i + 1) * k].set(causal)
         frontier = frontier.replace(ancestor=ancestor)
-      hidden = run_forward(i, frontier)
-      child_scores, child_tokens = topk_level(self.log_probs(target_params, hidden), k)
+      hidden = inputs.run_forward(i, frontier)
+      child_scores, child_tokens = topk_level(self.log_probs(head, hidden), k)
       cumulative = (child_scores + frontier.scores[:, :, None]).reshape(batch, k * k)
-      best_scores, best = jax.lax.top_k(cumulative, k)
-      row = best // k
-      # Slots of the next step's nodes (past the last step the index falls off: no slot).
-      new_slot = jax.nn.one_hot((i + 1) * k + jnp.arange(k), slots, dtype=bool)
-      previous, frontier = frontier, Frontier(
-          candidate=(k * (i + 1) + jnp.arange(k, dtype=jnp.int32))[None].repeat(batch, 0),
-          tokens=jnp.take_along_axis(child_tokens.reshape(batch, k * k), best, axis=1),
-          scores=best_scores,
-          hidden=jnp.take_along_axis(hidden, row[:, :, None], axis=1),
-          ancestor=jnp.take_along_axis(frontier.ancestor, row[:, :, None], axis=1)
-          | new_slot[None],
-          parent_row=row.astype(jnp.int32))
+      previous, frontier = frontier, next_frontier(
+          frontier, cumulative, child_tokens.reshape(batch, k * k), hidden, i, slots,
+          lambda best: (k * (i + 1) + jnp.arange(k, dtype=jnp.int32))[None].repeat(batch, 0))
       pool_tokens.append(frontier.tokens)
-      pool_scores.append(best_scores)
-      pool_parent.append(jnp.take_along_axis(previous.candidate, row, axis=1))
+      pool_scores.append(frontier.scores)
+      pool_parent.append(jnp.take_along_axis(previous.candidate, frontier.parent_row, axis=1))
 
     # MLP heads: row r reads (previous-level node, its feature) and (last-level node r, its
     # feature); the original pairs them by position r, the corrected way by parent.
@@ -204,9 +200,8 @@ class GumihoDrafter(Eagle2Drafter):
     pair_hidden = jnp.stack([
         jnp.take_along_axis(previous.hidden, first_rows[:, :, None], axis=1),
         frontier.hidden], axis=2)  # [B, K, 2, D]
-    mlp_hidden = self.module().apply(draft_params, self._embed(target_params, pair_tokens),
-                                     pair_hidden, method=GumihoDraft.parallel)
-    mlp_logp = self.log_probs(target_params, mlp_hidden)  # [B, K, M, V]
+    mlp_hidden = self.mlp_heads(inputs.params, head, pair_tokens, pair_hidden)
+    mlp_logp = self.log_probs(head, mlp_hidden)  # [B, K, M, V]
 
     next_id = k * (1 + self.serial_steps)
     rows = jnp.broadcast_to(jnp.arange(k), (batch, k))
@@ -230,3 +225,81 @@ class GumihoDrafter(Eagle2Drafter):
                       scores=jnp.concatenate(pool_scores, axis=1),
                       parent=jnp.concatenate(pool_parent, axis=1))
 
+  # Training ---------------------------------------------------------------------------
+
+  def loss_phase(self, settings, epoch: int):
+    """The MLP cross-entropy weight is 0 before `mlp_p_start_epoch`: that phase compiles a
+    step without those terms."""
+    return dataclasses.replace(settings, mlp_ce=epoch >= settings.mlp_p_start_epoch)
+
+  def training_mlp_outputs(self, params, head: TargetHead, input_ids, serial):
+    """The MLP heads in training: input_ids `[B, T]` (x_{t+1}), serial `[B, T, D]` ->
+    `[M, B, T, D]`.
+
+    Gumiho's train mode (spec 1.5, 4.3), with explicit zero-padded shifts instead of
+    rolls: y_t = serial[t] approximates f_{t+1} (the level-1 feature at a drafting step
+    whose last context pair is t). The head input at t is
+
+      z_t = [fc(emb(x_{t+2}), y_t) ; fc(emb(x_{t+3}), y_{t+1})],
+
+    the same fc as the Transformer input, gradients flowing through y into the layers,
+    and head i at t predicts f_{t+3+i} (`gumiho_loss` compares it with targets[t+2+i]).
+    At inference the pairs are (level-1 token, draft output before it) and (level-2
+    token, the serial step's output before it); in training the second pair is
+    teacher-forced. The last positions read zero padding; the loss slicing and the mask
+    drop them.
+    """
+    pair_ids = jnp.stack([_shift(input_ids, 1), _shift(input_ids, 2)], axis=2)  # [B, T, 2]
+    pair_hidden = jnp.stack([serial, _shift(serial, 1)], axis=2)  # [B, T, 2, D]
+    return jnp.moveaxis(self.mlp_heads(params, head, pair_ids, pair_hidden), 2, 0)
+
+  def objective(self, params, head: TargetHead, batch, epoch, settings):
+    """Serial 2-layer output + decayed MLP-head terms (`gumiho_loss`). The MLP
+    cross-entropy weight is 0 before `settings.mlp_p_start_epoch`, then mlp_p_weight;
+    with `settings.mlp_ce` False those terms are not computed at all."""
+    serial = self.training_output(params, head, batch.input_ids, batch.features)
+    mlp = self.training_mlp_outputs(params, head, batch.input_ids, serial)
+    if settings.mlp_ce is None:
+      mlp_p_weight = jnp.where(epoch >= settings.mlp_p_start_epoch, settings.mlp_p_weight,
+                               0.0)
+    else:
+      mlp_p_weight = jnp.float32(settings.mlp_p_weight if settings.mlp_ce else 0.0)
+    loss, terms = gumiho_loss(
+        serial, mlp, batch.targets, batch.loss_mask, head.logits, v_weight=settings.v_weight,
+        p_weight=settings.p_weight, mlp_v_weight=settings.mlp_v_weight,
+        mlp_p_weight=mlp_p_weight, mlp_loss_weight=settings.mlp_loss_weight,
+        decay=settings.mlp_decay, mlp_ce=settings.mlp_ce is not False)
+    return loss, dict(terms, mlp_p_weight=mlp_p_weight)
+
+  def chain_steps(self) -> int:
+    return self.serial_steps
+
+  def validation_chain(self, params, head: TargetHead, input_ids, features):
+    """The serial levels, then the MLP heads fed with the last two serial levels."""
+    chain = Chain(self, params, head, input_ids, features, self.chain_steps())
+    hiddens = [chain.context()]
+    tokens = [chain.argmax(hiddens[0])]
+    for k in range(1, self.chain_steps() + 1):
+      hiddens.append(chain.step(k, tokens[-1], hiddens[-1]))
+      tokens.append(chain.argmax(hiddens[-1]))
+    out = self.mlp_heads(params, head, jnp.stack(tokens[-2:], axis=2),
+                         jnp.stack(hiddens[-2:], axis=2))  # [B, T, M, D]
+    tokens += [chain.argmax(out[:, :, i]) for i in range(out.shape[2])]
+    return jnp.stack(tokens)
+
+  def tree_grid(self):
+    depth = self.mlp_num + 1
+    shapes = [(1, 4, 1, 1), (1, depth + 2, 1, 1), (2, 8, 2, 2), (4, 12, 4, 4),
+              (8, 32, 16, 16), (14, 64, 35, 35)]
+    return [(TreeConfig(k, depth, n), {"mlp_topk": m, "pruning": p})
+            for k, n, m, p in shapes]
+
+  @classmethod
+  def papers_tree(cls):
+    return DEFAULT_TREE, {"mlp_topk": 35, "pruning": 35}
+
+
+def _shift(x: jax.Array, k: int) -> jax.Array:
+  """x[:, k:] followed by k zero positions (explicit shift, no wrap-around)."""
+  pad = jnp.zeros(x.shape[:1] + (k,) + x.shape[2:], x.dtype)
+  return jnp.concatenate([x[:, k:], pad], axis=1)

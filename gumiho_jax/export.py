@@ -13,8 +13,9 @@ from typing import Mapping
 
 import numpy as np
 
-from jakiro_jax.export import torch_layout as tl
-from gumiho_jax.draft import MLP_BLOCKS
+import jakiro_jax.export.torch_layout as tl
+from jakiro_jax.speculative.tree import TreeConfig
+from gumiho_jax.draft import DEFAULT_TREE, MLP_BLOCKS, GumihoDrafter
 
 _HEAD = "mlp.{i}.{j}.linear."
 
@@ -76,3 +77,23 @@ def count_heads(state: Mapping) -> int:
   heads = {int(k.split(".")[1]) for k in state
            if k.startswith("mlp.") and k.split(".")[1].isdigit()}
   return max(heads) + 1 if heads else 0
+
+
+def read_options(state: Mapping, config: Mapping, options: dict, tree, where: str):
+  """Layers and head count from the checkpoint; the default tree gets one serial level
+  more than the heads when there are more than its depth allows."""
+  options.setdefault("num_layers", int(config.get("num_hidden_layers", 1)))
+  options.setdefault("mlp_num", count_heads(state))
+  if options["mlp_num"] < 1:
+    raise ValueError(f"{where} holds no Gumiho MLP heads (mlp.{{i}}.{{j}}.linear.*)")
+  if tree is None:
+    tree = TreeConfig(DEFAULT_TREE.top_k, max(DEFAULT_TREE.depth, options["mlp_num"] + 1),
+                      DEFAULT_TREE.total_tokens)
+  return options, tree
+
+
+GumihoDrafter.torch_layout = tl.TorchLayout(
+    shapes=reference_shapes, to_reference=to_reference, from_reference=from_reference,
+    recognizes=lambda state: any(k.startswith("mlp.") for k in state), guess_priority=1,
+    embedding_required=True, formats=("bin",), fc_bias_always=True,
+    normalize_keys=normalize_keys, read_options=read_options)

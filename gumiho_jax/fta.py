@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.spec.tree import Tree
-from jakiro_jax.spec.verify import Acceptance
+from jakiro_jax.speculative.tree import Tree
+from jakiro_jax.speculative.verify import Acceptance
 
 
 def leaf_rows(tree: Tree, max_path: int):

@@ -24,6 +24,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jakiro_jax.models.kv_cache import KVCache
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axes. Batches split over data and fsdp (FSDP = data parallel whose
@@ -160,7 +162,10 @@ def draft_shardings(drafter, draft_params, mesh: Mesh, rules=LOGICAL_AXIS_RULES)
 
 def cache_shardings(cache, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
   """A KVCache of shardings: batch over data (x fsdp), kv heads over tensor where they
-  divide, the rest replicated."""
+  divide, the rest replicated. Another cache (a drafter's own kind) is split over its
+  leading batch axis."""
+  if not isinstance(cache, KVCache):
+    return jax.tree.map(lambda x: batch_sharding(x.shape, mesh, rules), cache)
   kv = logical_sharding(CACHE_KV_AXES, cache.k.shape, mesh, rules)
   return cache.replace(k=kv, v=kv, lengths=logical_sharding(
       CACHE_LENGTHS_AXES, cache.lengths.shape, mesh, rules))
@@ -174,17 +179,6 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=LOGICAL_AXIS_RULES
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
-
-
-def place(tree, shardings):
-  """`jax.device_put` of a pytree onto matching shardings (a prefix tree is fine)."""
-  return jax.device_put(tree, shardings)
-
-
-def place_batch(batch, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
-  """Every array of a batch dict/pytree split over its leading (batch) dimension."""
-  return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(np.shape(x), mesh, rules)),
-                      batch)
 
 
 def bytes_per_device(abstract_tree, shardings) -> dict[int, int]:

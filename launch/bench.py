@@ -13,11 +13,11 @@ printed on stderr).
 
 Speculative methods (`--method=eagle2|jakiro|jakiro_star|gumiho [--draft=DIR|random] [--top_k
 --depth --total_tokens] [--fta] [--reference_parity]`; jakiro_star takes its static tree from
-the config's `jakiro_star.choices`, not from the tree flags) also run our AR loop on the same questions in the same process and report
+the config's `drafts.jakiro_star.choices`, not from the tree flags) also run our AR loop on the same questions in the same process and report
 tau (mean tokens per verification forward, bonus included), rounds, ar_tokens_per_s,
 speedup (tokens/s ratio) and greedy_mismatches (questions whose tokens differ from AR's at
 T=0), plus draft_forwards_per_round and draft_time_share (drafting vs verification, timed
-as separate jitted parts at the mean context length, see `spec/round_timing.py`).
+as separate jitted parts at the mean context length, see `speculative/round_timing.py`).
 
 `--mesh=DATA,FSDP,TENSOR` (e.g. `--mesh=2,2,2`, -1 = the rest of the devices) shards the
 target and draft weights and the caches over a device mesh (`jakiro_jax/sharding.py`);
@@ -35,14 +35,15 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from jakiro_jax.spec.benchmark import (ar_baseline, base_report, read_questions,
-                                      resolve_draft, spec_report, tree_and_options)
+from jakiro_jax.drafts import registry
+from launch.lib.benchmark import (ar_baseline, base_report, read_questions, resolve_draft,
+                                  spec_report, tree_and_options)
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
-_METHOD = flags.DEFINE_enum("method", "ar", ["ar", "eagle2", "jakiro", "jakiro_star", "gumiho"],
-                            "Generation method.")
+_METHOD = flags.DEFINE_enum("method", "ar", ["ar", *registry.names()],
+                            "Generation method: ar or a registered draft method.")
 _DRAFT = flags.DEFINE_string(
     "draft", None, "Draft directory, shipped draft name, or 'random' (untrained, still "
     "lossless). Default: the draft shipped for the config's target.")
@@ -75,7 +76,6 @@ _MESH = flags.DEFINE_string("mesh", None, "Device mesh DATA,FSDP,TENSOR, e.g. 2,
 def run(config, method: str, questions: list[str], max_new_tokens: int, sampling, seed: int,
         compare_hf: bool, show: int = 0, draft: str | None = None, tree=None,
         draft_options: dict | None = None, mesh=None) -> dict:
-  from jakiro_jax.spec.tree import TreeConfig
   from jakiro_jax.target import load_target
 
   target = load_target(config.target, dtype=config.dtype)
@@ -84,7 +84,8 @@ def run(config, method: str, questions: list[str], max_new_tokens: int, sampling
     target = shard_target(target, mesh)  # placed once for every run below
   prompts = [target.chat_prompt(q, config.system_prompt or None) for q in questions]
   if method != "ar":  # resolve the draft first: a missing draft fails before any work
-    tree = tree or TreeConfig(**config.tree)
+    if tree is None and draft_options is None:  # the config's draft block
+      tree, draft_options = tree_and_options(config, method)
     drafter, params = resolve_draft(target, method, draft, tree, seed, draft_options or {})
   ar = ar_baseline(target, prompts, max_new_tokens, sampling, seed, mesh=mesh)
   report = base_report(method, target, prompts, max_new_tokens, sampling, ar)
@@ -135,7 +136,7 @@ def main(argv):
   if _DRAFT.value and _DRAFT.value != "random" and _METHOD.value != "ar":
     cli.require_draft(_DRAFT.value, _METHOD.value)
   from jakiro_jax import sharding
-  from jakiro_jax.spec.sampling import SamplingConfig
+  from jakiro_jax.speculative.sampling import SamplingConfig
   sharding.initialize_distributed()  # several hosts: before any other JAX call
   mesh = None
   if _MESH.value:
@@ -146,9 +147,9 @@ def main(argv):
   sampling = SamplingConfig(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
   questions = read_questions(_QUESTIONS.value, _MAX_QUESTIONS.value)
   try:
-    tree, options = tree_and_options(_CONFIG.value, _METHOD.value, _FTA.value,
-                                     _REFERENCE_PARITY.value, top_k=_TOP_K_TREE.value,
-                                     depth=_DEPTH.value, total_tokens=_TOTAL.value)
+    tree, options = (None, {}) if _METHOD.value == "ar" else tree_and_options(
+        _CONFIG.value, _METHOD.value, fta=_FTA.value, reference_parity=_REFERENCE_PARITY.value,
+        top_k=_TOP_K_TREE.value, depth=_DEPTH.value, total_tokens=_TOTAL.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   cli.print_device()

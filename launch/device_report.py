@@ -5,7 +5,7 @@
       [--methods=eagle2,jakiro,jakiro_star,gumiho] [--questions_dir=../shared/data/eval] \
       [--peer_repos=DIR] [--time_budget_s=S] [--fresh]
 
-Sections (`jakiro_jax/spec/device_report.py`): a. ar_decode (AR step per dtype / batch /
+Sections (`launch/lib/device_report.py`): a. ar_decode (AR step per dtype / batch /
 cache size vs the copy-bandwidth floor, loop overhead), b. speculative (shipped drafts on
 the first questions of each evaluation file, T = 0 and 1, config / papers / tuned trees),
 c. peers (transformers generate, eager and static cache + torch.compile; the original
@@ -105,7 +105,7 @@ def main(argv):
   unknown = set(_SECTIONS.value) - set(RUN_ORDER)
   if unknown:
     raise app.UsageError(f"unknown sections {sorted(unknown)}; known: {list(RUN_ORDER)}")
-  from jakiro_jax.spec import device_report as dr
+  from launch.lib import device_report as dr
   bad = set(_METHODS.value) - set(dr.METHODS)
   if bad:
     raise app.UsageError(f"unknown methods {sorted(bad)}; known: {list(dr.METHODS)}")
@@ -116,7 +116,7 @@ def main(argv):
   if cache_dir:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
 
-  from jakiro_jax.spec.device_report_render import render_markdown, render_png, write_json
+  from launch.lib.device_report_render import render_markdown, render_png, write_json
 
   config = _CONFIG.value
   size = dr.resolve_size(_SIZE.value)

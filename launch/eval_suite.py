@@ -21,14 +21,16 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from jakiro_jax.drafts import registry
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "Experiment config file.", lock_config=True)
 _QUESTIONS = flags.DEFINE_list("questions", None, "FastChat .jsonl files (one category each).")
 _METHODS = flags.DEFINE_list("methods", ["eagle2", "jakiro", "gumiho"],
-                             "Speculative methods, each with the draft shipped for the target "
-                             "unless --drafts names one.")
+                             "Speculative methods (registered: "
+                             f"{', '.join(registry.names())}), each with the draft shipped "
+                             "for the target unless --drafts names one.")
 _DRAFTS = flags.DEFINE_list("drafts", None, "Draft per method (directory, shipped name or "
                             "'random'), in --methods order.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures.")
@@ -51,10 +53,10 @@ def result_path(out_dir: str, category: str, temperature: float, method: str) ->
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  from jakiro_jax.spec.benchmark import (ar_baseline, base_report, load_results,
+  from launch.lib.benchmark import (ar_baseline, base_report, load_results,
                                         read_questions, resolve_draft, spec_report,
                                         summary_table, tree_and_options)
-  from jakiro_jax.spec.sampling import SamplingConfig
+  from jakiro_jax.speculative.sampling import SamplingConfig
   from jakiro_jax.target import load_target
 
   cli.require_positive(max_questions=_MAX_QUESTIONS.value, max_new_tokens=_MAX_NEW.value)
@@ -75,8 +77,13 @@ def main(argv):
   target = load_target(config.target, dtype=config.dtype)
   loaded = {}  # method -> (drafter, params); a missing draft fails before any timing
   names = {}  # method -> the name its results carry
+  unknown = [m for m in methods if m not in registry.names()]
+  if unknown:
+    raise app.UsageError(f"--methods: unknown {', '.join(unknown)}; registered: "
+                         f"{', '.join(registry.names())}")
   for method, draft in zip(methods, drafts):
-    parity = _REFERENCE_PARITY.value and method in ("jakiro", "jakiro_star")
+    parity = (_REFERENCE_PARITY.value
+              and "reference_parity" in registry.inference_options(method))
     try:
       tree, options = tree_and_options(config, method, reference_parity=parity)
     except ValueError as e:

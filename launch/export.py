@@ -28,18 +28,20 @@ import sys
 
 from absl import app, flags
 
+from jakiro_jax.drafts import registry
+
 _DRAFT = flags.DEFINE_string("draft", None, "Our draft directory or a shipped draft name.")
 _TARGET = flags.DEFINE_string("target", "smollm2",
                               "Target: 'smollm2', a HuggingFace directory or a .gguf file.")
-_FORMAT = flags.DEFINE_enum("format", None, ["eagle2", "jakiro", "jakiro_star", "gumiho", "hf"],
+_FORMAT = flags.DEFINE_enum("format", None, [*registry.names(), "hf"],
                             "Layout to write: the draft's method, or hf for the target.")
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
 _DTYPE = flags.DEFINE_enum("dtype", "fp32", ["fp32", "fp16"], "Dtype of the draft weights.")
 _SAFETENSORS = flags.DEFINE_bool("safetensors", None, "Write model.safetensors.")
 _BIN = flags.DEFINE_bool("bin", None, "Write pytorch_model.bin (needs torch).")
 _WITH_EMBEDDING = flags.DEFINE_bool(
-    "with_embedding", False, "EAGLE-2/Jakiro/Jakiro*: also store the target's embed_tokens.weight "
-    "(always stored for Gumiho).")
+    "with_embedding", False, "Also store the target's embed_tokens.weight (always stored "
+    "where the original loader needs it, e.g. Gumiho).")
 _OVERWRITE = flags.DEFINE_bool(
     "overwrite", False, "Replace a non-empty --out (removed once the new export is complete).")
 
@@ -52,7 +54,7 @@ def export_draft(draft: str, target_source: str, method: str, out: str, dtype: s
   from jakiro_jax.drafts.io import load_draft
   from jakiro_jax.export import write_reference_dir
   from jakiro_jax.export.reference_dir import draft_vocab_warning
-  from jakiro_jax.export.torch_layout import embedding_required
+  from jakiro_jax.export.torch_layout import layout_of
   from jakiro_jax.target import load_target
 
   check_destination(out, overwrite, "--overwrite")  # before the target loads
@@ -61,11 +63,13 @@ def export_draft(draft: str, target_source: str, method: str, out: str, dtype: s
   drafter, params = load_draft(draft, target)
   if drafter.name != method:
     raise ValueError(f"draft {draft} is a {drafter.name} draft; pass --format={drafter.name}")
-  if formats and "bin" not in formats and method == "gumiho":
-    print("warning: the original Gumiho loader reads only pytorch_model.bin",
+  layout = layout_of(drafter)
+  missing = [f for f in layout.formats if formats and f not in formats]
+  if missing:
+    print(f"warning: the original {method} loader reads only {', '.join(layout.formats)}",
           file=sys.stderr)
   embedding = None
-  if with_embedding or embedding_required(method):
+  if with_embedding or layout.embedding_required:
     embedding = target.params["params"]["embed_tokens"]["embedding"]
   paths = write_reference_dir(out, drafter, params, embedding, dtype, formats, overwrite)
   warning = draft_vocab_warning(drafter)

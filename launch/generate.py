@@ -10,7 +10,7 @@ forward) and the speedup. The draft is the one shipped for the config's target (
 --draft=DIR); --method=ar runs the AR loop alone.
 
 --tree=auto (the default) picks the tree with the most expected tokens/s on this device
-(`jakiro_jax/spec/tree_tuning.py`: round and AR-step timings with acceptance on a small
+(`jakiro_jax/speculative/tree_tuning.py`: round and AR-step timings with acceptance on a small
 calibration set, cached per device, target, method, draft, dtype and sampling). If no tree
 beats the AR loop, it says so and decodes with AR. --tree=config takes the config's tree;
 --tree=TOP_K,DEPTH,TOTAL_TOKENS a given one.
@@ -23,6 +23,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from jakiro_jax.drafts import registry
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
@@ -32,7 +33,7 @@ _PROMPTS = flags.DEFINE_multi_string(
                "Write a Python function that checks whether a number is prime.",
                "Give three tips for staying healthy."],
     "User turn(s); repeat the flag for several.")
-_METHOD = flags.DEFINE_enum("method", None, ["ar", "eagle2", "jakiro", "jakiro_star", "gumiho"],
+_METHOD = flags.DEFINE_enum("method", None, ["ar", *registry.names()],
                             "Generation method (default: the config's default_method).")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft directory (default: the shipped draft).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
@@ -53,14 +54,14 @@ _PROMPT_IDS = flags.DEFINE_multi_string(
 
 
 def default_method(config, target_name: str, draft: str | None) -> str:
-  """The config's default_method, else the first method with a draft shipped for the
-  target, else the AR loop (said on stderr)."""
+  """The config's default_method, else the first of its `preferred_methods` with a draft
+  shipped for the target, else the AR loop (said on stderr)."""
   from jakiro_jax.drafts.io import SHIPPED_DRAFTS
   if config.get("default_method"):
     return config.default_method
   if draft is not None:
-    raise app.UsageError("--draft needs --method (eagle2, jakiro, jakiro_star or gumiho)")
-  for method in ("jakiro", "gumiho", "eagle2"):
+    raise app.UsageError(f"--draft needs --method ({', '.join(registry.names())})")
+  for method in config.get("preferred_methods") or registry.names():
     if f"{target_name}-{method}" in SHIPPED_DRAFTS:
       return method
   print(f"no trained draft ships for target {target_name!r} yet: running the "
@@ -71,7 +72,7 @@ def default_method(config, target_name: str, draft: str | None) -> str:
 
 def parse_tree_flag(value: str):
   """'auto', 'config' or a TreeConfig from 'TOP_K,DEPTH,TOTAL_TOKENS'."""
-  from jakiro_jax.spec.tree import TreeConfig
+  from jakiro_jax.speculative.tree import TreeConfig
   if value in ("auto", "config"):
     return value
   try:
@@ -91,11 +92,11 @@ def main(argv):
   if _DRAFT.value and _DRAFT.value != "random" and _METHOD.value != "ar":
     cli.require_draft(_DRAFT.value, _METHOD.value)
   import jax
-  from jakiro_jax.spec.autoregressive import generate_ar
-  from jakiro_jax.spec.generate import generate
-  from jakiro_jax.spec.sampling import SamplingConfig
+  from jakiro_jax.speculative.autoregressive import generate_ar
+  from jakiro_jax.speculative.generate import generate
+  from jakiro_jax.speculative.sampling import SamplingConfig
   from jakiro_jax.target import load_target
-  from jakiro_jax.spec.benchmark import resolve_draft, tree_and_options
+  from launch.lib.benchmark import resolve_draft, tree_and_options
 
   config = _CONFIG.value
   sampling = SamplingConfig(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
@@ -109,7 +110,7 @@ def main(argv):
                            f"{_PROMPT_IDS.value}") from None
     texts = _PROMPT_IDS.value
   elif _QUESTIONS.value:
-    from jakiro_jax.spec.benchmark import read_questions
+    from launch.lib.benchmark import read_questions
     texts = read_questions(_QUESTIONS.value, _MAX_QUESTIONS.value)
   cli.print_device()
   device = jax.devices()[0]
@@ -121,13 +122,13 @@ def main(argv):
   if method != "ar":
     tree, options = tree_and_options(config, method)
     if not isinstance(tree_flag, str):
-      if method == "jakiro_star":
-        raise app.UsageError("jakiro_star drafts the static tree of "
-                             "config.jakiro_star.choices; use --tree=auto or config")
+      if registry.get(method).derives_tree:
+        raise app.UsageError(f"{method} derives its tree from config.drafts.{method}; "
+                             f"use --tree=auto or config")
       tree = tree_flag
     drafter, params = resolve_draft(target, method, _DRAFT.value, tree, _SEED.value, options)
     if tree_flag == "auto":
-      from jakiro_jax.spec.tree_tuning import apply_choice, tune_tree
+      from jakiro_jax.speculative.tree_tuning import apply_choice, tune_tree
       tuning = tune_tree(target, method, _DRAFT.value, sampling=sampling,
                          use_cache=not _RETUNE.value, loaded=(drafter, params))
       if not tuning.cached:

@@ -21,8 +21,10 @@ import sys
 
 from absl import app, flags
 
+from jakiro_jax.drafts import registry
+
 _SRC = flags.DEFINE_string("src", None, "Directory in the original layout.")
-_FORMAT = flags.DEFINE_enum("format", None, ["eagle2", "jakiro", "jakiro_star", "gumiho"],
+_FORMAT = flags.DEFINE_enum("format", None, list(registry.names()),
                             "The method whose layout DIR has.")
 _TARGET = flags.DEFINE_string("target", "smollm2",
                               "Target: 'smollm2', a HuggingFace directory or a .gguf file.")
@@ -55,15 +57,16 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not (_SRC.value and _FORMAT.value and _OUT.value):
     raise app.UsageError("--src, --format and --out are required")
-  from jakiro_jax.export.reference_dir import GUMIHO_TREE
-  from jakiro_jax.spec.tree import TreeConfig
+  import dataclasses
+
+  from jakiro_jax.speculative.tree import TreeConfig
 
   overrides = {k: f.value for k, f in (("top_k", _TOP_K), ("depth", _DEPTH),
                                          ("total_tokens", _TOTAL)) if f.value is not None}
   try:
     tree = None
     if overrides:
-      base = GUMIHO_TREE if _FORMAT.value == "gumiho" else {}
+      base = dataclasses.asdict(registry.get(_FORMAT.value).tree_for(None, {}))
       tree = TreeConfig(**dict(base, **overrides))
     drafter, _ = import_draft(_SRC.value, _FORMAT.value, _TARGET.value, _OUT.value, tree,
                               _OVERWRITE.value)

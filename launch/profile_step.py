@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from launch import cli
@@ -30,7 +30,7 @@ def main(argv):
 
   from jakiro_jax.models import llama
   from jakiro_jax.models.kv_cache import causal_mask
-  from jakiro_jax.spec.round_timing import median_ms
+  from jakiro_jax.speculative.round_timing import median_ms
   from jakiro_jax.target import load_target
 
   target = load_target(_CONFIG.value.target, dtype=_CONFIG.value.dtype, with_tokenizer=False)

@@ -53,7 +53,7 @@ def get_config():
   c = default_config()
   c.method = "eagle2"
   c.target = ""  # --config.target=WORKDIR/target
-  c.tree.update(**TREE)
+  c.drafts.eagle2 = dict(tree=dict(TREE))
   c.update(batch_size=8, max_len=64, num_steps=TRAIN_STEPS, warmup_steps=2, log_every=1,
            save_every=SAVE_EVERY, keep_checkpoints=10, eval_rows=8, val_fraction=0.2,
            progress=False, tensorboard=False, mesh_data=-1, mesh_fsdp=1, mesh_tensor=1)
@@ -99,9 +99,9 @@ def generate(args) -> dict:
 
   from jakiro_jax import sharding
   from jakiro_jax.drafts import make_drafter
-  from jakiro_jax.spec.autoregressive import generate_ar
-  from jakiro_jax.spec.generate import generate as generate_spec
-  from jakiro_jax.spec.tree import TreeConfig
+  from jakiro_jax.speculative.autoregressive import generate_ar
+  from jakiro_jax.speculative.generate import generate as generate_spec
+  from jakiro_jax.speculative.tree import TreeConfig
 
   target = _tiny_target()
   drafter = make_drafter("eagle2", target.config, TreeConfig(**TREE))

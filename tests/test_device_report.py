@@ -15,8 +15,8 @@ import pytest
 
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import init_params
-from jakiro_jax.spec import device_report as dr
-from jakiro_jax.spec.device_report_render import render_markdown, render_png
+from launch.lib import device_report as dr
+from launch.lib.device_report_render import render_markdown, render_png
 from jakiro_jax.target import Target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,7 +175,7 @@ def test_speculative_full_size_papers_tree_and_bf16_check():
 
 
 def test_divergence_top2_gap():
-  from jakiro_jax.spec.autoregressive import generate_ar
+  from jakiro_jax.speculative.autoregressive import generate_ar
   target = tiny_target()
   prompt = tiny_prompts()["a"][0]
   ar = generate_ar(target, [prompt], 8).tokens[0]

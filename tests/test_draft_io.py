@@ -9,7 +9,7 @@ import pytest
 
 from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.io import load_draft, save_draft
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.tree import TreeConfig
 
 
 def test_round_trip_is_exact(tmp_path, tiny_pair):
@@ -68,7 +68,7 @@ def test_shipped_draft_names_resolve_to_their_directory(tmp_path, tiny_pair, mon
 def test_config_tree_options_apply_to_a_loaded_gumiho_draft(tmp_path, tiny_pair):
   """bench/eval_suite take the tree shape (incl. Gumiho's mlp_topk, pruning) from the config,
   whatever the draft was saved with; the architecture (mlp_num) must match the draft."""
-  from jakiro_jax.spec.benchmark import resolve_draft
+  from launch.lib.benchmark import resolve_draft
   _, target = tiny_pair
   tree = TreeConfig(top_k=3, depth=4, total_tokens=10)
   drafter = make_drafter("gumiho", target.config, tree, mlp_num=3, mlp_topk=5, pruning=5)

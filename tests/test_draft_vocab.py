@@ -10,10 +10,16 @@ import pytest
 from conftest import random_prompts, tiny_hf_model
 from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.io import load_draft, save_draft
-from jakiro_jax.spec.autoregressive import generate_ar
-from jakiro_jax.spec.generate import draft_tree, generate
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.generate import draft_tree, generate
+from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import target_from_torch
+from jakiro_jax.drafts.base import TargetHead
+
+
+def target_head(target):
+  """The target's embedding and lm_head, as drafters take them."""
+  return TargetHead.of(target.config, target.params)
 
 VOCAB = tuple(range(3, 97, 3))  # 32 of the tiny model's 97 tokens
 CASES = [("eagle2", TreeConfig(top_k=3, depth=3, total_tokens=10), {}),
@@ -32,8 +38,8 @@ def test_log_probs_are_the_full_head_renormalised_over_the_subset(target):
   cut = make_drafter("eagle2", target.config, draft_vocab=VOCAB)
   hidden = jax.random.normal(jax.random.PRNGKey(0), (2, 5, target.config.hidden_size))
   ids = np.asarray(VOCAB)
-  want = jax.nn.log_softmax(full.log_probs(target.params, hidden)[..., ids], axis=-1)
-  got = cut.log_probs(target.params, hidden)
+  want = jax.nn.log_softmax(full.log_probs(target_head(target), hidden)[..., ids], axis=-1)
+  got = cut.log_probs(target_head(target), hidden)
   np.testing.assert_allclose(got[..., ids], want, atol=1e-5)
   outside = np.setdiff1d(np.arange(target.config.vocab_size), ids)
   assert float(got[..., outside].max()) < -1e29
@@ -49,7 +55,7 @@ def test_greedy_stays_lossless_and_drafts_only_subset_tokens(target, method, tre
   batch, ctx = 2, 6
   cache = drafter.new_cache(batch, 64).replace(lengths=jnp.full((batch,), ctx))
   hidden = jax.random.normal(jax.random.PRNGKey(3), (batch, target.config.hidden_size))
-  tree, _ = draft_tree(drafter, params, target.params, hidden, jnp.array([1, 2]), cache)
+  tree, _ = draft_tree(drafter, params, target_head(target), hidden, jnp.array([1, 2]), cache)
   assert np.isin(np.asarray(tree.tokens)[:, 1:], VOCAB).all()  # the root is not drafted
 
 

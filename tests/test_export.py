@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 from jakiro_jax.drafts import make_drafter
+from jakiro_jax.drafts.base import TargetHead
 from jakiro_jax.drafts.io import load_draft, save_draft
 from jakiro_jax.export import (read_reference_dir, to_reference_state_dict,
                                write_reference_dir, write_target_hf_dir)
 from jakiro_jax.models import llama
 from jakiro_jax.models.config import LlamaConfig
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import Target, load_target
 
 torch = pytest.importorskip("torch")
@@ -288,13 +289,9 @@ def test_torch_forward_from_exported_state_dict_matches(target, drafts, method):
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   cache = drafter.new_cache(b, t)
-  both = {"both": True} if method == "jakiro" else {}
-  ours, _ = drafter.forward(params, target.params, jnp.asarray(tokens), jnp.asarray(features),
-                            positions, cache, mask, **both)
-  if method == "jakiro_star":  # the drafting output, then the training one
-    mixture, _ = drafter.forward(params, target.params, jnp.asarray(tokens),
-                                 jnp.asarray(features), positions, cache, mask, mixture=True)
-    ours = (ours, mixture)
+  # Jakiro: (left, right); Jakiro*: (experts, mixture), the drafting and training outputs
+  ours, _ = drafter.forward(params, TargetHead.of(target.config, target.params),
+                            jnp.asarray(tokens), jnp.asarray(features), positions, cache, mask)
   with torch.no_grad():
     theirs = torch_forward(method, state, CFG, tokens, features)
   pairs = (list(zip(ours, theirs)) if method in ("jakiro", "jakiro_star")
@@ -416,12 +413,13 @@ def test_target_mismatch(tmp_path, target, drafts):
     to_reference_state_dict(odd, odd_params)
 
 
-def test_bin_wins_over_safetensors_only_when_they_agree(tmp_path, target, drafts, capsys):
+def test_bin_wins_over_safetensors_only_when_they_agree(tmp_path, target, drafts, caplog):
+  caplog.set_level("INFO")
   drafter, params = drafts["eagle2"]
   write_reference_dir(tmp_path, drafter, params, formats=["bin", "safetensors"])
   _, loaded = read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
   jax.tree.map(np.testing.assert_array_equal, loaded, params)
-  assert "reading pytorch_model.bin" in capsys.readouterr().err
+  assert "reading pytorch_model.bin" in caplog.text
   # Another draft's weights in the .safetensors (a stale file of an earlier export): the
   # original loaders would silently read the .bin; we name both files.
   other = to_reference_state_dict(drafter, _randomize(params, 99))

@@ -21,7 +21,7 @@ from jakiro_jax.drafts.io import load_draft, save_draft
 from jakiro_jax.export import read_reference_dir, write_reference_dir, write_target_hf_dir
 from jakiro_jax.models import convert, llama
 from jakiro_jax.models.config import LlamaConfig
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import Target, load_target
 
 CFG = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layers=2,

@@ -10,10 +10,16 @@ import pytest
 from conftest import random_prompts, tiny_hf_model
 from gumiho_jax.draft import GumihoDrafter
 from jakiro_jax.drafts.io import load_draft, save_draft
-from jakiro_jax.spec.autoregressive import generate_ar
-from jakiro_jax.spec.generate import draft_tree, generate
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.generate import draft_tree, generate
+from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import target_from_torch
+from jakiro_jax.drafts.base import TargetHead
+
+
+def target_head(target):
+  """The target's embedding and lm_head, as drafters take them."""
+  return TargetHead.of(target.config, target.params)
 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=16)
 OPTIONS = dict(mlp_num=2, mlp_topk=3, pruning=5)
@@ -68,7 +74,7 @@ def test_tree_structure(target, parity):
   params = random_mlp_params(drafter.init_params(jax.random.PRNGKey(1)))
   cache = drafter.new_cache(2, 64).replace(lengths=jnp.array([5, 9]))
   hidden = jax.random.normal(jax.random.PRNGKey(2), (2, target.config.hidden_size))
-  tree, _ = draft_tree(drafter, params, target.params, hidden, jnp.array([1, 2]), cache)
+  tree, _ = draft_tree(drafter, params, target_head(target), hidden, jnp.array([1, 2]), cache)
   depth, parent = np.asarray(tree.depth), np.asarray(tree.parent)
   for b in range(2):
     # Pool = K per serial level (1, 2, 3) + P per MLP level, all kept here.
@@ -83,9 +89,9 @@ def test_reference_quirks_change_only_what_they_should(target):
   params = random_mlp_params(drafter.init_params(jax.random.PRNGKey(3)))
   cache = drafter.new_cache(1, 64).replace(lengths=jnp.array([7]))
   hidden = jax.random.normal(jax.random.PRNGKey(4), (1, target.config.hidden_size))
-  fixed, _ = draft_tree(drafter, params, target.params, hidden, jnp.array([1]), cache)
+  fixed, _ = draft_tree(drafter, params, target_head(target), hidden, jnp.array([1]), cache)
   quirky, _ = draft_tree(dataclasses.replace(drafter, reference_parity=True), params,
-                         target.params, hidden, jnp.array([1]), cache)
+                         target_head(target), hidden, jnp.array([1]), cache)
   level1 = np.asarray(fixed.depth[0]) == 1
   np.testing.assert_array_equal(np.asarray(fixed.tokens[0])[level1],
                                 np.asarray(quirky.tokens[0])[level1])
@@ -122,12 +128,12 @@ def test_bad_configs(target):
 
 
 def test_default_is_the_papers_tree(target):
-  from jakiro_jax.drafts import DRAFTERS, make_drafter
+  from jakiro_jax.drafts import make_drafter, names
   drafter = make_drafter("gumiho", target.config)  # no tree: the paper's, not depth 5
   assert drafter.tree == TreeConfig(top_k=14, depth=6, total_tokens=64)
   assert (drafter.mlp_num, drafter.mlp_topk, drafter.pruning) == (5, 35, 35)
   assert drafter.serial_steps == 1
-  for method in DRAFTERS:  # every method builds with its default tree
+  for method in names():  # every method builds with its default tree
     built = make_drafter(method, target.config)
     assert built.name == method and built.tree.total_tokens >= 2
     params = jax.eval_shape(built.init_params, jax.random.PRNGKey(0))
@@ -172,7 +178,7 @@ def test_loss_matches_a_hand_computed_example():
 
 def spec_example_tree():
   """The worked example of the spec: leaf rows [0,3], [0,1,5], [0,1,4,7], [0,2,6,8], [0,1,4,9]."""
-  from jakiro_jax.spec.tree import Tree, ancestors_from_parents
+  from jakiro_jax.speculative.tree import Tree, ancestors_from_parents
 
   parent = jnp.array([[-1, 0, 0, 0, 1, 1, 2, 4, 6, 4]], jnp.int32)
   ancestor = ancestors_from_parents(parent, 4)
@@ -214,7 +220,7 @@ def test_fta_acceptance_follows_the_completed_rows():
 
 
 def test_fta_runs_in_the_loop_and_sampling_is_refused(target):
-  from jakiro_jax.spec.sampling import SamplingConfig
+  from jakiro_jax.speculative.sampling import SamplingConfig
 
   drafter = GumihoDrafter(target.config, TREE, fta=True, **OPTIONS)
   params = random_mlp_params(drafter.init_params(jax.random.PRNGKey(5)))

@@ -8,13 +8,19 @@ import numpy as np
 import pytest
 
 from conftest import random_prompts, tiny_hf_model
+from drafters import count_forwards
 from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.jakiro import JakiroDrafter, jakiro_loss, moe_outputs
-from jakiro_jax.spec import generate as spec_generate
-from jakiro_jax.spec.autoregressive import generate_ar
-from jakiro_jax.spec.generate import draft_tree, generate
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.generate import draft_tree, generate
+from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import target_from_torch
+from jakiro_jax.drafts.base import TargetHead
+
+
+def target_head(target):
+  """The target's embedding and lm_head, as drafters take them."""
+  return TargetHead.of(target.config, target.params)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +71,7 @@ def test_params_map_one_to_one_onto_the_reference_table(target):
   }
 
 
-def test_hybrid_drafting_uses_depth_forwards_per_round(target):
+def test_hybrid_drafting_uses_depth_forwards_per_round(target, monkeypatch):
   tree = TreeConfig(top_k=3, depth=4, total_tokens=20)
   hidden = jnp.ones((1, target.config.hidden_size))
   counts = {}
@@ -73,11 +79,11 @@ def test_hybrid_drafting_uses_depth_forwards_per_round(target):
     drafter = make_drafter(method, target.config, tree)
     params = drafter.init_params(jax.random.PRNGKey(0))
     cache = drafter.new_cache(1, 64).replace(lengths=jnp.array([5]))
-    before = spec_generate.FORWARD_TRACES[method]
-    jax.eval_shape(lambda p, c: draft_tree(drafter, p, target.params, hidden, jnp.array([1]),
+    calls = count_forwards(monkeypatch, drafter)
+    jax.eval_shape(lambda p, c: draft_tree(drafter, p, target_head(target), hidden, jnp.array([1]),
                                            c), params, cache)
     # Tree forwards traced, plus the one context forward every round runs.
-    counts[method] = spec_generate.FORWARD_TRACES[method] - before + 1
+    counts[method] = len(calls) + 1
     assert counts[method] == drafter.draft_forwards_per_round()
   assert counts == {"eagle2": tree.depth + 1, "jakiro": tree.depth}
 
@@ -89,10 +95,10 @@ def test_jakiro_tree_levels_and_the_reference_quirk(target, parity):
   params = drafter.init_params(jax.random.PRNGKey(1))
   cache = drafter.new_cache(1, 64).replace(lengths=jnp.array([5]))
   hidden = jax.random.normal(jax.random.PRNGKey(2), (1, target.config.hidden_size))
-  tree, _ = draft_tree(drafter, params, target.params, hidden, jnp.array([1]), cache)
+  tree, _ = draft_tree(drafter, params, target_head(target), hidden, jnp.array([1]), cache)
   assert int(tree.depth.max()) == tree_cfg.depth + 1
   other, _ = draft_tree(dataclasses.replace(drafter, reference_parity=not parity), params,
-                        target.params, hidden, jnp.array([1]), cache)
+                        target_head(target), hidden, jnp.array([1]), cache)
   shallow = np.asarray(tree.depth[0] <= tree_cfg.depth)
   # Levels up to D agree; the last level differs unless the parents happen to be in order.
   np.testing.assert_array_equal(np.asarray(tree.tokens[0])[shallow],

@@ -173,7 +173,7 @@ def test_ar_generation_across_processes_gives_the_one_process_tokens(runs):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "jakiro_jax/spec/generate.py `generate` fetches the result with jax.device_get, which "
+    "jakiro_jax/speculative/generate.py `generate` fetches the result with jax.device_get, which "
     "refuses arrays whose rows live on other processes (meshes that split the batch "
     "across processes); it needs `sharding.to_host` as generate_ar (not ours to edit)"))
 def test_speculative_generation_across_processes_gives_the_one_process_tokens(runs):

@@ -42,10 +42,10 @@ PROGRAM = BLOCKER + textwrap.dedent("""
     # Every module on the main job's path (launch.generate and what its main imports).
     import launch.generate
     import jakiro_jax.target
-    import jakiro_jax.spec.generate
-    import jakiro_jax.spec.autoregressive
-    import jakiro_jax.spec.benchmark
-    import jakiro_jax.spec.tree_tuning
+    import jakiro_jax.speculative.generate
+    import jakiro_jax.speculative.autoregressive
+    import launch.lib.benchmark
+    import jakiro_jax.speculative.tree_tuning
     import jakiro_jax.drafts
     import jakiro_jax.drafts.io
     import jakiro_jax.models.gguf_loader
@@ -54,8 +54,8 @@ PROGRAM = BLOCKER + textwrap.dedent("""
     import transformers  # imported by the loaders; must not pull torch in either
 
     from jakiro_jax import TreeConfig, make_drafter
-    from jakiro_jax.spec.autoregressive import generate_ar
-    from jakiro_jax.spec.generate import generate
+    from jakiro_jax.speculative.autoregressive import generate_ar
+    from jakiro_jax.speculative.generate import generate
     from jakiro_jax.target import target_from_state_dict
 
     # A tiny random Llama from a HuggingFace-named numpy state dict (no torch anywhere).

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from jakiro_jax.spec.sampling import SamplingConfig, sample_token, target_probs
+from jakiro_jax.speculative.sampling import SamplingConfig, sample_token, target_probs
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [

@@ -17,15 +17,17 @@ import pytest
 import torch
 
 from conftest import tiny_hf_model
+from drafters import registered_drafter
+from jakiro_jax.drafts import names
 from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
 from jakiro_jax.models import llama
 from jakiro_jax.models.kv_cache import causal_mask
-from jakiro_jax.drafts import eagle2
-from jakiro_jax.spec import verify
-from jakiro_jax.spec.generate import generate
-from jakiro_jax.spec.sampling import SamplingConfig, target_probs
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.drafts import base as drafts_base
+from jakiro_jax.speculative import verify
+from jakiro_jax.speculative.generate import generate
+from jakiro_jax.speculative.sampling import SamplingConfig, target_probs
+from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import target_from_torch
 
 VOCAB = 11
@@ -90,16 +92,23 @@ def total_variation(p, q):
                  marks=pytest.mark.slow),
     ("jakiro", SamplingConfig(temperature=1.0)),
     ("gumiho", SamplingConfig(temperature=1.0)),
+    # every other registered method on a small tree of its own grid (Jakiro*'s verifier
+    # has its own tests below)
+    *[(m, SamplingConfig(temperature=1.0)) for m in names()
+      if m not in ("eagle2", "jakiro", "gumiho", "jakiro_star")],
 ])
 def test_speculative_sampling_matches_target(small_vocab_target, method, sampling):
   target = small_vocab_target
-  options = dict(mlp_num=1, mlp_topk=3, pruning=3) if method == "gumiho" else {}
-  drafter = make_drafter(method, target.config, TreeConfig(top_k=3, depth=2, total_tokens=8),
-                         **options)
-  params = drafter.init_params(jax.random.PRNGKey(0))
-  # Gumiho's MLP heads start at zero weights; perturb every param so all heads matter.
-  params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape),
-                        params)
+  if method in ("eagle2", "jakiro", "gumiho"):
+    options = dict(mlp_num=1, mlp_topk=3, pruning=3) if method == "gumiho" else {}
+    drafter = make_drafter(method, target.config,
+                           TreeConfig(top_k=3, depth=2, total_tokens=8), **options)
+    params = drafter.init_params(jax.random.PRNGKey(0))
+    # Gumiho's MLP heads start at zero weights; perturb every param so all heads matter.
+    params = jax.tree.map(
+        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
+  else:
+    drafter, params = registered_drafter(method, target.config)
   exact12, exact3 = exact_distributions(target, sampling)
   assert exact12.max() > 0.05  # the test needs a target with some structure
   got12, got3 = sampled_distributions(target, drafter, params, sampling)
@@ -147,7 +156,7 @@ def test_broken_verifier_is_detected(small_vocab_target, monkeypatch):
   sampling = SamplingConfig(temperature=1.0)
   drafter = Eagle2Drafter(target.config, TreeConfig(top_k=3, depth=2, total_tokens=8))
   params = drafter.init_params(jax.random.PRNGKey(0))
-  monkeypatch.setattr(eagle2, "accept",
+  monkeypatch.setattr(drafts_base, "accept",
                       functools.partial(verify.accept, use_residual=False))
   jax.clear_caches()  # the loop was compiled with the correct verifier
   try:

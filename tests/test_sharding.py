@@ -61,9 +61,9 @@ def generate_worker() -> dict:
   from jakiro_jax import sharding
   from jakiro_jax.drafts import make_drafter
   from jakiro_jax.models.llama import new_cache
-  from jakiro_jax.spec.autoregressive import generate_ar
-  from jakiro_jax.spec.generate import generate
-  from jakiro_jax.spec.tree import TreeConfig
+  from jakiro_jax.speculative.autoregressive import generate_ar
+  from jakiro_jax.speculative.generate import generate
+  from jakiro_jax.speculative.tree import TreeConfig
 
   target = _tiny_target()
   rng = np.random.RandomState(0)
@@ -114,7 +114,7 @@ def train_worker(workdir: str) -> dict:
   from jakiro_jax import sharding
   from jakiro_jax.drafts import make_drafter
   from jakiro_jax.models.convert import write_hf_dir
-  from jakiro_jax.spec.tree import TreeConfig
+  from jakiro_jax.speculative.tree import TreeConfig
   from jakiro_jax.target import load_target
   from jakiro_jax.train.checkpoints import TrainCheckpoints
   from jakiro_jax.train.trainer import (default_config, make_optimizer, train,
@@ -128,8 +128,7 @@ def train_worker(workdir: str) -> dict:
   def config_for(method, mesh):
     c = default_config()
     c.method, c.target = method, target_dir
-    c.tree.update(**TREE)
-    c.draft.update(DRAFT_OPTIONS[method])
+    c.drafts[method] = dict(tree=dict(TREE), **DRAFT_OPTIONS[method])
     c.update(batch_size=8, max_len=64, num_steps=5, warmup_steps=2, log_every=1,
              save_every=5, eval_rows=0, progress=False, tensorboard=False,
              mesh_data=mesh[0], mesh_fsdp=mesh[1], mesh_tensor=mesh[2])

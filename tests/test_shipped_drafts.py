@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jakiro_jax.drafts.io import SHIPPED_DRAFTS, load_draft
-from jakiro_jax.spec.autoregressive import generate_ar
-from jakiro_jax.spec.generate import generate
+from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.generate import generate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jakiro_jax.models.hf_reference import hf_greedy_generate
-from jakiro_jax.spec.autoregressive import generate_ar
+from jakiro_jax.speculative.autoregressive import generate_ar
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -101,8 +101,8 @@ def test_bench_cli_random_draft_is_lossless(tmp_path, method, tree):
 
 def test_missing_shipped_draft_says_so(smollm2, monkeypatch):
   from jakiro_jax.drafts import io
-  from jakiro_jax.spec.tree import TreeConfig
-  from jakiro_jax.spec.benchmark import resolve_draft
+  from jakiro_jax.speculative.tree import TreeConfig
+  from launch.lib.benchmark import resolve_draft
 
   monkeypatch.setattr(io, "SHIPPED_DRAFTS", {})
   with pytest.raises(ValueError, match="no trained eagle2 draft ships for target 'smollm2'"):

@@ -2,21 +2,29 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import random_prompts, tiny_hf_model
-from drafters import OracleDrafter
+from drafters import OracleDrafter, registered_drafter
+from jakiro_jax.drafts import names
 from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
-from jakiro_jax.spec import generate as spec_generate
-from jakiro_jax.spec.autoregressive import generate_ar
-from jakiro_jax.spec.generate import draft_tree, generate
-from jakiro_jax.spec.sampling import SamplingConfig
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative import generate as spec_generate
+from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.generate import draft_tree, generate
+from jakiro_jax.speculative.sampling import SamplingConfig
+from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import target_from_torch
+from jakiro_jax.drafts.base import TargetHead
+
+
+def target_head(target):
+  """The target's embedding and lm_head, as drafters take them."""
+  return TargetHead.of(target.config, target.params)
 
 TREES = [TreeConfig(top_k=4, depth=3, total_tokens=12), TreeConfig(top_k=1, depth=4,
                                                                     total_tokens=6),
@@ -49,6 +57,16 @@ def test_greedy_is_lossless_with_random_drafts(target, tree, batch):
     assert spec.tokens == generate_ar(target, prompts, max_new_tokens=25).tokens
 
 
+@pytest.mark.parametrize("method", names())
+def test_every_registered_method_is_greedy_lossless(target, method):
+  drafter, params = registered_drafter(method, target.config)
+  prompts = random_prompts(np.random.RandomState(4), 97, [9, 23])
+  prompts[1] = prompts[1] + prompts[1][:8]  # a repeat, for drafters that look things up
+  spec = generate(target, drafter, params, prompts, max_new_tokens=20)
+  assert spec.tokens == generate_ar(target, prompts, max_new_tokens=20).tokens
+  assert spec.rounds >= 1 and spec.tau >= 1.0
+
+
 def test_greedy_is_lossless_with_stop_tokens_mid_tree(peaky_target):
   # With the oracle draft whole paths are accepted, so the stop token lands inside one.
   target = peaky_target
@@ -57,7 +75,7 @@ def test_greedy_is_lossless_with_stop_tokens_mid_tree(peaky_target):
   stop = next(t for i, t in enumerate(free[0]) if i >= 6 and free[0].index(t) == i)
   target = dataclasses.replace(target, stop_ids=(stop,))
   drafter = OracleDrafter(target.config, TreeConfig(top_k=2, depth=4, total_tokens=10))
-  spec = generate(target, drafter, {}, prompts, max_new_tokens=30)
+  spec = generate(target, drafter, target.params, prompts, max_new_tokens=30)
   ar = generate_ar(target, prompts, max_new_tokens=30).tokens
   assert spec.tokens == ar
   assert spec.tokens[0][-1] == stop and len(spec.tokens[0]) == free[0].index(stop) + 1
@@ -69,7 +87,7 @@ def test_greedy_is_lossless_with_stop_tokens_mid_tree(peaky_target):
 def test_oracle_draft_accepts_every_level(peaky_target, tree):
   drafter = OracleDrafter(peaky_target.config, tree)
   prompts = [[1] + p for p in random_prompts(np.random.RandomState(5), 97, [6, 11])]
-  spec = generate(peaky_target, drafter, {}, prompts, max_new_tokens=40)
+  spec = generate(peaky_target, drafter, peaky_target.params, prompts, max_new_tokens=40)
   assert spec.tokens == generate_ar(peaky_target, prompts, max_new_tokens=40).tokens
   for row in spec.accept_lens:
     assert row == [tree.depth + 1] * len(row)  # every drafted level accepted
@@ -83,7 +101,7 @@ def test_tree_invariants(target):
   batch, ctx, max_len = 3, 9, 64
   cache = drafter.new_cache(batch, max_len).replace(lengths=jnp.full((batch,), ctx))
   hidden = jax.random.normal(jax.random.PRNGKey(3), (batch, target.config.hidden_size))
-  tree, _ = draft_tree(drafter, params, target.params, hidden, jnp.array([1, 2, 3]), cache)
+  tree, _ = draft_tree(drafter, params, target_head(target), hidden, jnp.array([1, 2, 3]), cache)
   parent, depth, ancestor = map(np.asarray, (tree.parent, tree.depth, tree.ancestor))
   score = np.asarray(tree.score)
   assert (np.asarray(tree.tokens)[:, 0] == [1, 2, 3]).all()
@@ -100,17 +118,21 @@ def test_tree_invariants(target):
     assert depth[b].max() <= tree_cfg.depth + 1
 
 
-def test_speculative_loop_compiles_once(target):
+def test_speculative_loop_compiles_once(target, monkeypatch):
   drafter = Eagle2Drafter(target.config, TREES[0])
   params = drafter.init_params(jax.random.PRNGKey(0))
+  # The loop under a fresh jit that fails on a second trace (= a second compilation).
+  monkeypatch.setattr(spec_generate, "speculative_generate_jit", jax.jit(
+      chex.assert_max_traces(spec_generate._speculative_loop, n=1),
+      static_argnames=spec_generate.SPEC_STATIC_ARGS,
+      donate_argnames=("target_cache", "draft_cache")))
   rng = np.random.RandomState(9)
-  generate(target, drafter, params, random_prompts(rng, 97, [10, 40]), max_new_tokens=12)
-  before = spec_generate.TRACE_COUNT["speculative_generate"]
-  for lengths in ([4, 50], [64, 1], [33, 33]):
+  for lengths in ([10, 40], [4, 50], [64, 1], [33, 33]):
     out = generate(target, drafter, params, random_prompts(rng, 97, lengths),
                    max_new_tokens=12, seed=3)
     assert out.rounds > 1
-  assert spec_generate.TRACE_COUNT["speculative_generate"] == before
+  with pytest.raises(AssertionError, match="trace"):  # another prompt bucket: compiles
+    generate(target, drafter, params, random_prompts(rng, 97, [65, 3]), max_new_tokens=12)
 
 
 @pytest.mark.parametrize("field,value", [("rope_theta", 50000.0),

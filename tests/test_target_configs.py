@@ -17,9 +17,9 @@ from jakiro_jax.models import llama
 from jakiro_jax.models.config import config_from_hf
 from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.models.hf_reference import hf_greedy_generate
-from jakiro_jax.spec.autoregressive import generate_ar
-from jakiro_jax.spec.generate import generate
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.generate import generate
+from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import load_target
 
 ATOL = 1e-4

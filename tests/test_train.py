@@ -27,19 +27,24 @@ from jakiro_jax.drafts import make_drafter
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.convert import write_hf_dir
 from jakiro_jax.models.llama import init_params
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import load_target
 from jakiro_jax.train import data
 from jakiro_jax.train.collate import pad_rows, shift_for_training, uniform_noise
 from jakiro_jax.train.data_order import DataOrder, split_rows
 from jakiro_jax.train.features import features_jit
-from jakiro_jax.train.metrics import count_acceptance, draft_chain_tokens, summarize
-from jakiro_jax.train.objectives import (LossSettings, eagle2_objective, gumiho_mlp_outputs,
-                                         gumiho_objective, objective_for, training_forward)
+from jakiro_jax.train.metrics import count_acceptance, summarize
+from jakiro_jax.train.objectives import LossSettings
 from jakiro_jax.train.trainer import StepSettings, step_loss, train
 from jakiro_jax.train.vocab_subset import frequent_tokens, head_fn_from, head_matrix
 
 from gumiho_jax.losses import gumiho_loss
+from jakiro_jax.drafts.base import TargetHead
+
+
+def target_head(target):
+  """The target's embedding and lm_head, as drafters take them."""
+  return TargetHead.of(target.config, target.params)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layers=2,
@@ -186,13 +191,12 @@ def test_eagle2_objective_by_hand(tiny_target, feature_set):
   padded = pad_rows(rows[:2], 2, 64)
   batch = shift_for_training(padded["input_ids"], padded["features"], padded["loss_mask"],
                              padded["lengths"])
-  head_fn = _full_head_fn(target)
 
   @jax.jit
   def run(params, batch):
-    whole = training_forward(drafter, params, target.params, batch.input_ids, batch.features)
-    return whole, eagle2_objective(drafter, params, target.params, batch, head_fn, 0,
-                                   LossSettings())
+    head = target_head(target)
+    whole = drafter.training_output(params, head, batch.input_ids, batch.features)
+    return whole, drafter.objective(params, head, batch, 0, LossSettings())
 
   whole, (loss, terms) = run(params, batch)
   # By hand in numpy from the whole-sequence forward.
@@ -216,9 +220,8 @@ def test_eagle2_objective_by_hand(tiny_target, feature_set):
   assert m.sum() == sum(int(r["loss_mask"].sum()) - 1 for r in rows[:2])  # last masked out
 
   # The training forward equals drafting's context forward, fed in pieces through a cache.
-  from jakiro_jax.spec.generate import draft_context
-  context = jax.jit(lambda p, ids, feats, cache: draft_context(
-      drafter, p, target.params, ids, feats, jnp.full((2,), ids.shape[1]), cache))
+  from jakiro_jax.speculative.generate import draft_context
+  context = jax.jit(lambda p, ids, feats, cache: draft_context(drafter, p, target_head(target), ids, feats, jnp.full((2,), ids.shape[1]), cache))
   cache = drafter.new_cache(2, 64)
   for lo, hi in ((0, 20), (20, 40)):
     last, cache = context(params, batch.input_ids[:, lo:hi], batch.features[:, lo:hi], cache)
@@ -226,7 +229,6 @@ def test_eagle2_objective_by_hand(tiny_target, feature_set):
 
 
 def test_gumiho_mlp_inputs_pairs_and_ce_switch(tiny_target, feature_set):
-  from gumiho_jax.draft import GumihoDraft
   _, target = tiny_target
   _, rows = feature_set
   drafter, params = _drafter("gumiho", target)
@@ -240,14 +242,14 @@ def test_gumiho_mlp_inputs_pairs_and_ce_switch(tiny_target, feature_set):
                              padded["lengths"])
 
   def outputs(p):
-    serial = training_forward(drafter, p, target.params, batch.input_ids, batch.features)
-    return serial, gumiho_mlp_outputs(drafter, p, target.params, batch.input_ids, serial)
+    head = target_head(target)
+    serial = drafter.training_output(p, head, batch.input_ids, batch.features)
+    return serial, drafter.training_mlp_outputs(p, head, batch.input_ids, serial)
 
   serial, mlp = jax.jit(outputs)(params)
   assert mlp.shape == (2, 2, 64, TINY.hidden_size)
   ids = padded["input_ids"]
-  heads = jax.jit(lambda p, i, h: drafter.module().apply(
-      p, drafter._embed(target.params, i), h, method=GumihoDraft.parallel))
+  heads = jax.jit(lambda p, i, h: drafter.mlp_heads(p, target_head(target), i, h))
   for b, t in ((0, 5), (1, 17)):  # z_t = [fc(emb(x_{t+2}), y_t) ; fc(emb(x_{t+3}), y_{t+1})]
     pair_ids = jnp.asarray([[[ids[b, t + 2], ids[b, t + 3]]]])
     pair_hidden = jnp.stack([serial[b, t], serial[b, t + 1]])[None, None]
@@ -265,9 +267,9 @@ def test_gumiho_mlp_inputs_pairs_and_ce_switch(tiny_target, feature_set):
   def three(p, epoch, ce):
     serial, mlp = outputs(p)
     traced = LossSettings(mlp_p_start_epoch=2)
-    return (gumiho_objective(drafter, p, target.params, batch, head_fn, epoch, traced),
-            gumiho_objective(drafter, p, target.params, batch, head_fn, epoch,
-                             dataclasses.replace(traced, mlp_ce=ce)),
+    head = target_head(target)
+    return (drafter.objective(p, head, batch, epoch, traced),
+            drafter.objective(p, head, batch, epoch, dataclasses.replace(traced, mlp_ce=ce)),
             gumiho_loss(serial, mlp, batch.targets, batch.loss_mask, head_fn,
                         mlp_p_weight=jnp.where(epoch >= 2, 0.1, 0.0)))
 
@@ -290,7 +292,8 @@ def test_online_and_stored_features_give_the_same_loss(tiny_target, feature_set)
   _, rows = feature_set  # fp32 features, as the target computes them
   drafter, params = _drafter("jakiro", target)
   batch = {k: jnp.asarray(v) for k, v in pad_rows(rows[:3], 3, 64).items()}
-  head = head_matrix(target.params, False, np.arange(0, 97, 2))
+  head = TargetHead.of(target.config, target.params,
+                       lm_head=head_matrix(target.params, False, np.arange(0, 97, 2)))
   losses = []
   for online in (False, True):
     settings = StepSettings(online=online, noise=True, noise_std=0.2, steps_per_epoch=5,
@@ -329,7 +332,7 @@ def test_chain_rollout_matches_top1_drafting(method, tiny_target, feature_set):
   """Validation's rollout equals the drafting code on a top_k = 1 tree (a chain). Jakiro's
   early levels take the EAGLE-2 path (one forward per level), so EAGLE-2 is covered too;
   Jakiro*'s chain at T = 0 is its preferred expert's argmax chain."""
-  from jakiro_jax.spec.generate import draft_context, draft_tree
+  from jakiro_jax.speculative.generate import draft_context, draft_tree
   _, target = tiny_target
   _, rows = feature_set
   options = {"gumiho": dict(mlp_num=2, mlp_topk=1, pruning=1),
@@ -343,17 +346,16 @@ def test_chain_rollout_matches_top1_drafting(method, tiny_target, feature_set):
   padded = pad_rows(rows[:1], 1, 64)
   batch = shift_for_training(padded["input_ids"], padded["features"], padded["loss_mask"],
                              padded["lengths"])
-  head = head_matrix(target.params, False)
-  chains = np.asarray(jax.jit(lambda p: draft_chain_tokens(
-      drafter, p, target.params, batch.input_ids, batch.features, head))(params))  # [K, 1, T]
+  chains = np.asarray(jax.jit(lambda p: drafter.validation_chain(
+      p, target_head(target), batch.input_ids, batch.features))(params))  # [K, 1, T]
   assert chains.shape == (4, 1, 64)
 
   @jax.jit
   def drafted_chain(params, ids, feats, count):
     cache = drafter.new_cache(1, 64 + drafter.extra_cache_slots())
-    hidden, cache = draft_context(drafter, params, target.params, ids, feats, count, cache)
+    hidden, cache = draft_context(drafter, params, target_head(target), ids, feats, count, cache)
     root = ids[jnp.arange(1), count - 1]
-    tree, _ = draft_tree(drafter, params, target.params, hidden, root, cache)
+    tree, _ = draft_tree(drafter, params, target_head(target), hidden, root, cache)
     return tree.tokens[0, 1:]
 
   for t in (6, 20):
@@ -364,11 +366,17 @@ def test_chain_rollout_matches_top1_drafting(method, tiny_target, feature_set):
 
 # ---------------------------------------------------------------- the trainer end to end
 
-def _tiny_overrides(target_dir, **extra):
-  values = {"target": target_dir, "tree.top_k": 2, "tree.depth": 3, "tree.total_tokens": 8,
-            "batch_size": 2, "max_len": 64, "lr": 3e-3, "warmup_steps": 2,
-            "log_every": 4, "eval_every": 0, "eval_rows": 0, "progress": False}
-  values.update(extra)
+def _tiny_overrides(target_dir, method, **extra):
+  """Config overrides of a tiny run; keys `draft.X` set option X of the method's block."""
+  block = f"drafts.{method}."
+  values = {"target": target_dir, "batch_size": 2, "max_len": 64, "lr": 3e-3,
+            "warmup_steps": 2, "log_every": 4, "eval_every": 0, "eval_rows": 0,
+            "progress": False}
+  if method != "jakiro_star":  # its tree follows from its choices
+    values.update({block + "tree.top_k": 2, block + "tree.depth": 3,
+                   block + "tree.total_tokens": 8})
+  values.update({(block + k[len("draft."):] if k.startswith("draft.") else k): v
+                 for k, v in extra.items()})
   return values
 
 
@@ -395,7 +403,7 @@ def test_loss_decreases_and_validation_reports_alpha(tiny_target, feature_set, t
   data_dir, _ = feature_set
   # Batches of 8 of the 19 train rows: each logged value averages 4 steps = 2 epochs.
   config = _config(f"configs/smollm2_135m_{method}.py", _tiny_overrides(
-      target_dir, num_steps=24, batch_size=8, save_every=100, eval_rows=2, noise=False,
+      target_dir, method, num_steps=24, batch_size=8, save_every=100, eval_rows=2, noise=False,
       vocab_subset=0))
   result = train(config, data_dir, tmp_path / "run")
   losses = [h["loss"] for h in result.history]
@@ -421,8 +429,7 @@ def test_jakiro_star_trains_on_the_expert_sum(tiny_target, feature_set, tmp_path
   data_dir, rows = feature_set
   choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
   config = _config("configs/smollm2_135m_jakiro_star.py", _tiny_overrides(
-      target_dir, **{"tree.top_k": 3, "tree.depth": 2, "tree.total_tokens": 8,
-                     "draft.choices": choices}, num_steps=4, save_every=100, eval_rows=2,
+      target_dir, "jakiro_star", **{"draft.choices": choices}, num_steps=4, save_every=100, eval_rows=2,
       noise=False, vocab_subset=0))
   result = train(config, data_dir, tmp_path / "run")
   assert all(np.isfinite(h["loss"]) for h in result.history)
@@ -438,10 +445,9 @@ def test_jakiro_star_trains_on_the_expert_sum(tiny_target, feature_set, tmp_path
                              padded["lengths"])
   head_fn = _full_head_fn(target)
   params = result.params
-  loss, terms = objective_for(drafter)(drafter, params, target.params, batch, head_fn, 0,
-                                       LossSettings())
-  mixture = training_forward(drafter, params, target.params, batch.input_ids, batch.features,
-                             mixture=True)
+  loss, terms = drafter.objective(params, target_head(target), batch, 0, LossSettings())
+  mixture = drafter.training_output(params, target_head(target), batch.input_ids,
+                                    batch.features).mixture
   expected, _ = jakiro_star_loss(mixture, batch.targets, batch.loss_mask, head_fn)
   np.testing.assert_allclose(loss, expected, rtol=1e-6)
   assert set(terms) == {"vloss", "ploss"}
@@ -470,7 +476,7 @@ def test_sigkill_then_resume_is_bit_identical(tiny_target, feature_set, tmp_path
   data_dir, _ = feature_set
   steps = 24  # 9 steps per epoch: the Gumiho MLP CE switches on at epoch 1 within the run
   overrides = _tiny_overrides(
-      target_dir, num_steps=steps, save_every=4, log_every=1, vocab_subset=16,
+      target_dir, "gumiho", num_steps=steps, save_every=4, log_every=1, vocab_subset=16,
       tensorboard=False, **{"draft.mlp_num": 2, "draft.mlp_topk": 2, "draft.pruning": 2,
                             "loss.mlp_p_start_epoch": 1})
   config_path = "configs/smollm2_135m_gumiho.py"
@@ -531,7 +537,7 @@ def test_sigkill_then_resume_is_bit_identical(tiny_target, feature_set, tmp_path
 def test_bad_inputs_fail_clearly(tiny_target, feature_set, tmp_path):
   target_dir, _ = tiny_target
   data_dir, _ = feature_set
-  config = _config("configs/smollm2_135m_eagle2.py", _tiny_overrides(target_dir, num_steps=2))
+  config = _config("configs/smollm2_135m_eagle2.py", _tiny_overrides(target_dir, "eagle2", num_steps=2))
   with pytest.raises(FileNotFoundError, match="gen_data"):
     train(config, tmp_path / "nowhere", tmp_path / "out")
   wrong = tmp_path / "wrong_hidden"

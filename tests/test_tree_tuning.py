@@ -12,9 +12,9 @@ import pytest
 from conftest import random_prompts, tiny_hf_model
 from drafters import OracleDrafter
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
-from jakiro_jax.spec import tree_tuning
-from jakiro_jax.spec.tree import TreeConfig
-from jakiro_jax.spec.tree_tuning import (TreeChoice, TuningResult, apply_choice,
+from jakiro_jax.speculative import tree_tuning
+from jakiro_jax.speculative.tree import TreeConfig
+from jakiro_jax.speculative.tree_tuning import (TreeChoice, TuningResult, apply_choice,
                                          best_candidate, candidate_grid, tune_tree)
 from jakiro_jax.target import target_from_torch
 
@@ -45,10 +45,10 @@ def test_best_candidate_needs_to_beat_ar_by_the_margin():
 def test_grids_hold_a_chain_and_build_valid_drafters(tiny_pair, method):
   from jakiro_jax.drafts import make_drafter
   _, target = tiny_pair
-  grid = candidate_grid(method)
   base = make_drafter(method, target.config,
                       TreeConfig(4, 6, 12) if method == "gumiho" else None,
                       **({"mlp_topk": 4, "pruning": 4} if method == "gumiho" else {}))
+  grid = candidate_grid(base)
   trees = [apply_choice(base, c).tree for c in grid]
   assert any(t.top_k == 1 for t in trees) or method == "jakiro_star"
   if method == "jakiro_star":  # chains: one node per level
@@ -72,7 +72,7 @@ def test_calibration_measures_acceptance_and_caches(peaky_target, tmp_path, monk
   grid = [TreeChoice(TreeConfig(1, 3, 5), {}), TreeChoice(TreeConfig(1, 2, 4), {})]
   result = tune_tree(target, "oracle", "oracle", prompts=prompts, max_new_tokens=20,
                      grid=grid, margin=0.0, cache_dir=tmp_path, progress=False,
-                     loaded=(oracle, {}), prune=False)
+                     loaded=(oracle, target.params), prune=False)
   assert not result.cached
   assert result.candidates[0]["tau"] == 5.0
   assert result.candidates[1]["tau"] == 4.0
@@ -94,11 +94,11 @@ def test_calibration_measures_acceptance_and_caches(peaky_target, tmp_path, monk
   monkeypatch.setattr(tree_tuning, "ar_step_ms", no_measuring)
   again = tune_tree(target, "oracle", "oracle", prompts=prompts, max_new_tokens=20,
                     grid=grid, margin=0.0, cache_dir=tmp_path, progress=False,
-                    loaded=(oracle, {}))
+                    loaded=(oracle, target.params))
   assert again.cached and again.choice == result.choice
   assert again.candidates == json.loads(json.dumps(result.candidates))
   # Another sampling config is another entry.
-  from jakiro_jax.spec.sampling import SamplingConfig
+  from jakiro_jax.speculative.sampling import SamplingConfig
   assert (tree_tuning.cache_path(target, "oracle", "oracle", SamplingConfig(1.0), tmp_path)
           != tree_tuning.cache_path(target, "oracle", "oracle", SamplingConfig(), tmp_path))
 
@@ -110,7 +110,7 @@ def test_a_candidate_that_cannot_win_is_not_calibrated(tiny_pair, tmp_path, monk
   params = drafter.init_params(jax.random.PRNGKey(0))
   monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1e-3)  # AR: 1M tokens/s
   calls = []
-  monkeypatch.setattr("jakiro_jax.spec.generate.generate",
+  monkeypatch.setattr("jakiro_jax.speculative.generate.generate",
                       lambda *a, **k: calls.append(1))
   result = tune_tree(target, "eagle2", "random", prompts=[[5, 6, 7]], max_new_tokens=8,
                      grid=[TreeChoice(TreeConfig(1, 1, 3), {})], cache_dir=tmp_path,
@@ -126,8 +126,8 @@ def test_unreadable_cache_is_measured_again(peaky_target, tmp_path):
   oracle = OracleDrafter(target.config, TreeConfig(1, 1, 3))
   kwargs = dict(prompts=[[1, 5, 6]], max_new_tokens=8,
                 grid=[TreeChoice(TreeConfig(1, 1, 3), {})], cache_dir=tmp_path,
-                progress=False, loaded=(oracle, {}), prune=False)
-  from jakiro_jax.spec.sampling import SamplingConfig
+                progress=False, loaded=(oracle, target.params), prune=False)
+  from jakiro_jax.speculative.sampling import SamplingConfig
   path = tree_tuning.cache_path(target, "oracle", "oracle", SamplingConfig(), tmp_path)
   os.makedirs(os.path.dirname(path))
   with open(path, "w") as f:
@@ -139,7 +139,7 @@ def test_unreadable_cache_is_measured_again(peaky_target, tmp_path):
 
 
 def _write_cached_choice(cache_dir, target, method, choice):
-  from jakiro_jax.spec.sampling import SamplingConfig
+  from jakiro_jax.speculative.sampling import SamplingConfig
   path = tree_tuning.cache_path(target, method, "random", SamplingConfig(), cache_dir)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   result = TuningResult(method, "test", "cpu", 10.0, 20, [], choice)

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.spec.sampling import SamplingConfig
-from jakiro_jax.spec.tree import Tree, ancestors_from_parents
-from jakiro_jax.spec.verify import _greedy_walk, _sampling_walk, accept, commit_path
+from jakiro_jax.speculative.sampling import SamplingConfig
+from jakiro_jax.speculative.tree import Tree, ancestors_from_parents
+from jakiro_jax.speculative.verify import _greedy_walk, _sampling_walk, accept, commit_path
 from jakiro_jax.models.kv_cache import KVCache
 
 

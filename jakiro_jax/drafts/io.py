@@ -6,23 +6,24 @@ lm_head are never stored. (The original PyTorch layouts are handled by the expor
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import jax
 import numpy as np
 
-from jakiro_jax.drafts import make_drafter
+from jakiro_jax.drafts.registry import make_drafter, option_fields
 from jakiro_jax.models.config import read_json
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.tree import TreeConfig
 
-# "<target>-<method>" -> package-relative directory. Trained by the commands in the README
-# ("Training"), fp16, without the target's embedding and lm_head.
+_ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "drafts")
+# "<target>-<method>" -> package-relative directory: every draft under assets/drafts.
+# Trained by the commands in the README ("Training"), fp16, without the target's
+# embedding and lm_head.
 SHIPPED_DRAFTS: dict[str, str] = {
-    f"smollm2-{method}": f"assets/drafts/smollm2-{method}"
-    for method in ("eagle2", "jakiro", "jakiro_star", "gumiho")
-}
+    name: f"assets/drafts/{name}" for name in sorted(os.listdir(_ASSETS))
+    if os.path.exists(os.path.join(_ASSETS, name, "draft.json"))
+} if os.path.isdir(_ASSETS) else {}
 
 
 def _flatten(tree, prefix=""):
@@ -60,8 +61,7 @@ def save_draft(out_dir, drafter, params, dtype: str | None = None,
   flat = _flatten(jax.device_get(params))
   if dtype:
     flat = {k: v.astype(dtype) for k, v in flat.items()}
-  options = {f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)
-             if f.name not in ("target_config", "tree", "name")}
+  options = option_fields(drafter)
   meta = {"method": drafter.name, "options": options,
           "hidden_size": drafter.target_config.hidden_size,
           "vocab_size": drafter.target_config.vocab_size,

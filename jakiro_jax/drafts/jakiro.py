@@ -16,15 +16,26 @@ D+1 drafted levels cost D draft forwards instead of EAGLE-2's D+1.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.drafts.eagle2 import Eagle2Drafter, fc_params, fuse_token_and_feature
+from jakiro_jax.drafts.base import (Chain, RoundInputs, TargetHead, fc_params,
+                                   fuse_token_and_feature)
+from jakiro_jax.drafts.eagle2 import Eagle2Drafter
+import jakiro_jax.export.torch_layout as tl
+from jakiro_jax.models import convert
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import MLP, Attention, RMSNorm, _matmul_out_in, _weight
+from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.train.losses import feature_losses
+
+
+class JakiroOutput(NamedTuple):
+  left: jax.Array  # [B, T, D] predicts the next feature
+  right: jax.Array  # [B, T, D] predicts the feature after that
 
 
 def moe_outputs(gate_logits, expert0, expert1):
@@ -52,7 +63,7 @@ class JakiroLayer(nn.Module):
     experts = [MLP(cfg.hidden_size, cfg.hidden_size, cfg.dtype, name=f"experts_{e}")(normed)
                for e in range(2)]
     left, right = moe_outputs(gate_logits, *experts)
-    return x + left, x + right, cache
+    return JakiroOutput(x + left, x + right), cache
 
 
 class JakiroDraft(nn.Module):
@@ -61,18 +72,21 @@ class JakiroDraft(nn.Module):
 
   @nn.compact
   def __call__(self, embeds, features, positions, cache, mask):
-    """embeds, features `[B, T, D]` -> (left `[B, T, D]`, right `[B, T, D]`, cache)."""
+    """embeds, features `[B, T, D]` -> (`JakiroOutput`, cache)."""
     x = fuse_token_and_feature(embeds, features, *fc_params(self, self.config, self.fc_bias))
     return JakiroLayer(self.config, name="layers_0")(x, positions, cache, mask)
 
 
 @dataclasses.dataclass(frozen=True)
 class JakiroDrafter(Eagle2Drafter):
-  """`reference_parity=True` attaches the right-branch rows to level-D nodes by position, as
-  the original code does, instead of by each node's parent (still lossless: verification
-  does not trust the draft, it only accepts less)."""
+  """The EAGLE-2 beam with Jakiro's hybrid last step. `reference_parity=True` attaches the
+  right-branch rows to level-D nodes by position, as the original code does, instead of by
+  each node's parent (still lossless: verification does not trust the draft, it only
+  accepts less)."""
   reference_parity: bool = False
-  name: str = "jakiro"
+  name: ClassVar[str] = "jakiro"
+  inference_options: ClassVar[tuple[str, ...]] = ("reference_parity",)
+  torch_layout: ClassVar[tl.TorchLayout]  # set below the class
 
   def __post_init__(self):
     if self.tree.depth < 2:
@@ -81,22 +95,17 @@ class JakiroDrafter(Eagle2Drafter):
   def module(self) -> JakiroDraft:
     return JakiroDraft(self.layer_config, self.fc_bias)
 
-  def forward(self, params, target_params, tokens, features, positions, cache, mask,
-              both: bool = False):
-    """Left hidden `[B, T, D]` (or (left, right) with `both`) and the cache."""
-    from jakiro_jax.models.llama import Llama
-    embeds = Llama(self.target_config).apply(target_params, tokens, method=Llama.embed)
-    left, right, cache = self.module().apply(params, embeds, features, positions, cache, mask)
-    return ((left, right) if both else left), cache
+  def carry(self, output: JakiroOutput):
+    return output.left
 
-  def tree_step(self, i, frontier, run_forward, memo, target_params):
+  def tree_step(self, i, frontier, inputs: RoundInputs, memo: dict):
     depth = self.tree.depth
     if i < depth - 2:
-      return super().tree_step(i, frontier, run_forward, memo, target_params)
+      return super().tree_step(i, frontier, inputs, memo)
     if i == depth - 2:  # one forward, two levels
-      left, right = run_forward(i, frontier, both=True)
-      memo["right_logp"] = self.log_probs(target_params, right)  # rows: this frontier
-      return self.log_probs(target_params, left), left
+      out = inputs.run_forward(i, frontier)
+      memo["right_logp"] = self.log_probs(inputs.head, out.right)  # rows: this frontier
+      return self.log_probs(inputs.head, out.left), out.left
     # i == depth - 1: no forward. Level D+1 hangs under the level-D frontier; its
     # distribution came from each node's parent row at the previous step.
     right_logp = memo["right_logp"]
@@ -106,6 +115,36 @@ class JakiroDrafter(Eagle2Drafter):
 
   def draft_forwards_per_round(self) -> int:
     return self.tree.depth
+
+  def objective(self, params, head: TargetHead, batch, epoch, settings):
+    """`jakiro_loss` on the MoE's two outputs (left -> f_{t+1}, right -> f_{t+2})."""
+    out = self.training_output(params, head, batch.input_ids, batch.features)
+    return jakiro_loss(out.left, out.right, batch.targets, batch.loss_mask, head.logits,
+                       v_weight=settings.v_weight, p_weight=settings.p_weight,
+                       contrast_weight=settings.contrast_weight)
+
+  def chain_steps(self) -> int:
+    return self.tree.depth - 1
+
+  def validation_chain(self, params, head: TargetHead, input_ids, features):
+    """Levels 1..D from the left output; level D+1 from the right output of the forward
+    that gave level D (one forward, two levels)."""
+    steps = self.chain_steps()
+    chain = Chain(self, params, head, input_ids, features, steps)
+    hidden = chain.context()
+    tokens = [chain.argmax(hidden)]
+    for k in range(1, steps + 1):
+      out = chain.step(k, tokens[-1], hidden, raw=True)
+      hidden = out.left
+      tokens.append(chain.argmax(hidden))
+      if k == steps:
+        tokens.append(chain.argmax(out.right))
+    return jnp.stack(tokens)
+
+  def tree_grid(self):
+    shapes = [(1, d, d + 2) for d in range(2, 5)]  # the hybrid step needs two levels
+    shapes += [(2, 2, 5), (2, 3, 7), (4, 4, 12), (6, 5, 26), (10, 5, 60)]
+    return [(TreeConfig(*s), {}) for s in shapes]
 
 
 def jakiro_loss(left, right, target_features, loss_mask, head_fn, v_weight=1.0, p_weight=0.1,
@@ -125,3 +164,39 @@ def jakiro_loss(left, right, target_features, loss_mask, head_fn, v_weight=1.0, 
   loss = (v_weight * (vloss1 + contrast_weight * vloss2)
           + p_weight * (ploss1 + contrast_weight * ploss2))
   return loss, {"vloss1": vloss1, "vloss2": vloss2, "ploss1": ploss1, "ploss2": ploss2}
+
+
+# PyTorch layout (Jakiro's cnets): `layers.0.mlp_moe.gate.weight [4, D]` (rows 0-1 router,
+# 2-3 contrastive), `layers.0.mlp_moe.experts.{0,1}.{gate,up,down}_proj.weight [D, D]`.
+MOE = "layers.0.mlp_moe."
+
+
+def _shapes(drafter):
+  d = drafter.target_config.hidden_size
+  shapes = tl.gated_layer_shapes(drafter, MOE + "gate.weight", 4)
+  for e in range(2):  # experts have intermediate size D (the original ignores the config's)
+    shapes.update(convert.mlp_hf_shapes(d, d, f"{MOE}experts.{e}."))
+  return shapes
+
+
+def _to_reference(drafter, params):
+  layer = params["layers_0"]
+  state = tl.gated_layer_to_reference(drafter, params, MOE + "gate.weight")
+  for e in range(2):
+    state.update(convert.mlp_to_hf(layer[f"experts_{e}"], f"{MOE}experts.{e}."))
+  return state
+
+
+def _from_reference(drafter, state):
+  layer = tl.layer_from_reference(drafter.layer_config, 0, state, mlp=False)
+  layer["gate"] = state[MOE + "gate.weight"]
+  for e in range(2):
+    layer[f"experts_{e}"] = convert.mlp_from_hf(state.__getitem__, f"{MOE}experts.{e}.")
+  return {**tl.fc_from_reference(drafter, state), "layers_0": layer}
+
+
+JakiroDrafter.torch_layout = tl.TorchLayout(
+    shapes=_shapes, to_reference=_to_reference, from_reference=_from_reference,
+    recognizes=lambda state: any(k.startswith(MOE) for k in state), guess_priority=1,
+    # both MoE blocks of the original read these in __init__
+    config_extras=lambda drafter: {"num_local_experts": 2, "num_experts_per_tok": 2})

@@ -11,7 +11,7 @@ else 1. RoPE base is 10000 whatever the target's, and q/k/v carry no bias: the o
 ignores rope_theta and qkv_bias, and an exported draft must compute the same there.
 
 Drafting on a static tree (`choices`, default the original's 26-node tree; see
-`spec/static_tree.py`): the context forward gives the root's two expert outputs; each tree
+`speculative/static_tree.py`): the context forward gives the root's two expert outputs; each tree
 step runs the draft once over the expanded nodes of one level, each fed (its token, its
 parent's preferred-expert output), as the original carries the router-preferred expert's
 hidden state (spec 3.4). Every expanded node's children come from its two experts' logits
@@ -22,7 +22,7 @@ l_0 (preferred), l_1:
   from pi one at a time, never a token drawn before (both of its pairs masked). That is
   sequential sampling without replacement from the token marginal m(v) = pi(0,v) + pi(1,v),
   so the proposal of the j-th child is m without the earlier children, renormalised; it is
-  recorded exactly and verified by `spec/multidraft.accept_multidraft` (lossless). Siblings
+  recorded exactly and verified by `speculative/multidraft.accept_multidraft` (lossless). Siblings
   are distinct tokens.
 * T > 0, `reference_parity=True`: the original's draw: pairs without replacement in the 2V
   space (a token can come twice, once per expert), q = pi(1, x) (the second expert's half,
@@ -41,26 +41,32 @@ the target's side (the proposal may be any distribution, the verifier is exact).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.drafts.eagle2 import (Eagle2Drafter, draft_layer_config, fc_params,
-                                     fuse_token_and_feature)
+from jakiro_jax.drafts.base import (Chain, DraftHead, RoundInputs, TargetHead,
+                                   draft_layer_config, fc_params, fuse_token_and_feature)
+import jakiro_jax.export.torch_layout as tl
 from jakiro_jax.models.config import LlamaConfig
-from jakiro_jax.models.llama import Attention, Llama, RMSNorm, _matmul_out_in, _weight
-from jakiro_jax.spec.multidraft import (MultiDraftTree, accept_multidraft, accept_reference,
+from jakiro_jax.models.llama import Attention, RMSNorm, _matmul_out_in, _weight
+from jakiro_jax.speculative.multidraft import (MultiDraftTree, accept_multidraft, accept_reference,
                                         draw_without_replacement)
-from jakiro_jax.spec.static_tree import (JAKIRO_STAR_CHOICES, StaticTree, normalize_choices,
+from jakiro_jax.speculative.static_tree import (JAKIRO_STAR_CHOICES, StaticTree, normalize_choices,
                                          static_tree)
-from jakiro_jax.spec.tree import Frontier
-from jakiro_jax.spec.verify import accept
+from jakiro_jax.speculative.tree import Frontier
+from jakiro_jax.speculative.verify import accept
 from jakiro_jax.train.losses import feature_losses
 
 REFERENCE_ROPE_THETA = 10000.0  # the original Jakiro* ignores the config's rope_theta
+
+
+class JakiroStarOutput(NamedTuple):
+  experts: jax.Array  # [B, T, 2, D] both experts' outputs, the router-preferred first
+  mixture: jax.Array  # [B, T, D] the gate-weighted sum (the training output)
 
 
 def expert_outputs(gate_logits, expert0, expert1):
@@ -102,7 +108,7 @@ class JakiroStarLayer(nn.Module):
     experts = [GeluMLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype,
                        name=f"experts_{e}")(normed) for e in range(2)]
     by_preference, mixture = expert_outputs(_matmul_out_in(normed, gate, 1), *experts)
-    return x[:, :, None] + by_preference, x + mixture, cache
+    return JakiroStarOutput(x[:, :, None] + by_preference, x + mixture), cache
 
 
 class JakiroStarDraft(nn.Module):
@@ -146,13 +152,16 @@ def reference_draw(key: jax.Array, scaled_logits: jax.Array, count: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class JakiroStarDrafter(Eagle2Drafter):
+class JakiroStarDrafter(DraftHead):
   """`tree` is derived from `choices` (leave it None); `reference_parity=True` drafts and
   verifies with the original's rule, which does NOT preserve the target distribution."""
   tree: Any = None
   choices: tuple[tuple[int, ...], ...] = JAKIRO_STAR_CHOICES
   reference_parity: bool = False
-  name: str = "jakiro_star"
+  name: ClassVar[str] = "jakiro_star"
+  inference_options: ClassVar[tuple[str, ...]] = ("choices", "reference_parity")
+  derives_tree: ClassVar[bool] = True
+  torch_layout: ClassVar[tl.TorchLayout]  # set below the class
 
   def __post_init__(self):
     object.__setattr__(self, "choices", normalize_choices(self.choices))  # from JSON lists
@@ -175,14 +184,9 @@ class JakiroStarDrafter(Eagle2Drafter):
   def module(self) -> JakiroStarDraft:
     return JakiroStarDraft(self.layer_config, self.fc_bias)
 
-  def forward(self, params, target_params, tokens, features, positions, cache, mask,
-              mixture: bool = False):
-    """tokens `[B, T]`, features `[B, T, D]` -> (experts `[B, T, 2, D]` [preferred, other],
-    or with `mixture` the training output `[B, T, D]`; cache)."""
-    embeds = Llama(self.target_config).apply(target_params, tokens, method=Llama.embed)
-    experts, mixed, cache = self.module().apply(params, embeds, features, positions, cache,
-                                                mask)
-    return (mixed if mixture else experts), cache
+  def carry(self, output: JakiroStarOutput):
+    """Both experts `[..., 2, D]` (preferred first): a round expands the root with both."""
+    return output.experts
 
   def draw_children(self, logits, count: int, sampling, key):
     """Expert logits `[B, n, 2, V]` of n expanded nodes -> (children `[B, n, C]` in draw
@@ -200,10 +204,11 @@ class JakiroStarDrafter(Eagle2Drafter):
     tokens, proposal = draw_without_replacement(key, log_marginal, count)
     return tokens, proposal, log_marginal
 
-  def draft(self, run_forward, hidden_root, root, draft_params, target_params, sampling,
-            rng) -> MultiDraftTree:
-    """hidden_root `[B, 2, D]` (both experts after the root), root `[B]` -> the round's tree.
-    The loops run at trace time over the static structure."""
+  def draft(self, inputs: RoundInputs) -> MultiDraftTree:
+    """carried_root `[B, 2, D]` (both experts after the root), root `[B]` -> the round's
+    tree. The loops run at trace time over the static structure."""
+    hidden_root, root, sampling, rng = (inputs.carried_root, inputs.root, inputs.sampling,
+                                        inputs.rng)
     st, k = self.structure, self.tree.top_k
     batch = root.shape[0]
     tokens = {0: root.astype(jnp.int32)}
@@ -213,7 +218,7 @@ class JakiroStarDrafter(Eagle2Drafter):
     def expand(nodes, hidden, level):  # hidden [B, n, 2, D] of the expanded `nodes`
       count = max(len(st.children[st.row[n]]) for n in nodes)
       children, prob, dist = self.draw_children(
-          self.head_logits(target_params, hidden), count, sampling,
+          self.head_logits(inputs.head, hidden), count, sampling,
           jax.random.fold_in(rng, level))
       for j, node in enumerate(nodes):
         row = st.row[node]
@@ -232,7 +237,7 @@ class JakiroStarDrafter(Eagle2Drafter):
           hidden=jnp.stack([row_hidden[st.row[st.parent[n]]] for n in nodes], axis=1),
           ancestor=jnp.broadcast_to(st.step_ancestor(i, k), (batch, width, k * self.tree.depth)),
           parent_row=jnp.zeros((batch, width), jnp.int32))
-      out = run_forward(i, frontier)  # [B, n, 2, D]
+      out = inputs.run_forward(i, frontier).experts  # [B, n, 2, D]
       for j, node in enumerate(nodes):
         row_hidden[st.row[node]] = out[:, j, 0]
       expand(nodes, out, i + 1)
@@ -250,14 +255,43 @@ class JakiroStarDrafter(Eagle2Drafter):
         score=log_path, proposal=proposals,
         row_dist=jnp.stack([row_dist[r] for r in range(st.num_rows)], axis=1))
 
-  def expand(self, run_forward, hidden_root, draft_params, target_params):
-    raise NotImplementedError("Jakiro* drafts a static tree: use `draft`")
-
   def accept(self, tree, plan, logits, sampling, rng):
     if sampling.greedy:  # siblings are distinct tokens: the greedy walk applies as is
       return accept(tree, logits, sampling, rng, self.tree.max_path)
     rule = accept_reference if self.reference_parity else accept_multidraft
     return rule(tree, logits, sampling, rng, self.structure.row, self.tree.max_path)
+
+  def objective(self, params, head: TargetHead, batch, epoch, settings):
+    """EAGLE's loss on the gate-weighted sum of the two experts (`jakiro_star_loss`);
+    drafting then uses the experts one by one."""
+    out = self.training_output(params, head, batch.input_ids, batch.features)
+    return jakiro_star_loss(out.mixture, batch.targets, batch.loss_mask, head.logits,
+                            v_weight=settings.v_weight, p_weight=settings.p_weight)
+
+  def validation_chain(self, params, head: TargetHead, input_ids, features):
+    """The preferred expert's argmax chain (the rank-0 path of the T = 0 tree): each step
+    carries that expert's output, as drafting does."""
+    chain = Chain(self, params, head, input_ids, features, self.chain_steps())
+    hidden = chain.context()[:, :, 0]
+    tokens = [chain.argmax(hidden)]
+    for k in range(1, self.chain_steps() + 1):
+      hidden = chain.step(k, tokens[-1], hidden)[:, :, 0]
+      tokens.append(chain.argmax(hidden))
+    return jnp.stack(tokens)
+
+  def tree_grid(self):
+    chains = [tuple((0,) * (i + 1) for i in range(d)) for d in range(1, 5)]
+    small = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))
+    return [(None, {"choices": c}) for c in chains + [small, JAKIRO_STAR_CHOICES]]
+
+  @classmethod
+  def tree_for(cls, tree, options):
+    return static_tree(normalize_choices(options.get("choices", JAKIRO_STAR_CHOICES))
+                       ).tree_config()
+
+  @classmethod
+  def papers_tree(cls):
+    return None, {"choices": normalize_choices(JAKIRO_STAR_CHOICES)}
 
 
 def jakiro_star_loss(mixture, target_features, loss_mask, head_fn, v_weight=1.0,
@@ -270,3 +304,43 @@ def jakiro_star_loss(mixture, target_features, loss_mask, head_fn, v_weight=1.0,
   """
   vloss, ploss = feature_losses(mixture, target_features, loss_mask, head_fn)
   return v_weight * vloss + p_weight * ploss, {"vloss": vloss, "ploss": ploss}
+
+
+# PyTorch layout (Jakiro*'s cnets): `layers.0.mlp_moe.gate.weight [2, D]`,
+# `layers.0.mlp_moe.experts.{0,1}.fc.weight [F, D]` and `.proj.weight [D, F]` (GELU experts,
+# F = intermediate_size).
+MOE = "layers.0.mlp_moe."
+
+
+def _shapes(drafter):
+  d, f = drafter.target_config.hidden_size, drafter.target_config.intermediate_size
+  shapes = tl.gated_layer_shapes(drafter, MOE + "gate.weight", 2)
+  for e in range(2):
+    shapes[f"{MOE}experts.{e}.fc.weight"] = (f, d)
+    shapes[f"{MOE}experts.{e}.proj.weight"] = (d, f)
+  return shapes
+
+
+def _to_reference(drafter, params):
+  layer = params["layers_0"]
+  state = tl.gated_layer_to_reference(drafter, params, MOE + "gate.weight")
+  for e in range(2):
+    for name in ("fc", "proj"):
+      state[f"{MOE}experts.{e}.{name}.weight"] = np.asarray(layer[f"experts_{e}"][name])
+  return state
+
+
+def _from_reference(drafter, state):
+  layer = tl.layer_from_reference(drafter.layer_config, 0, state, mlp=False)
+  layer["gate"] = state[MOE + "gate.weight"]
+  for e in range(2):
+    layer[f"experts_{e}"] = {name: state[f"{MOE}experts.{e}.{name}.weight"]
+                             for name in ("fc", "proj")}
+  return {**tl.fc_from_reference(drafter, state), "layers_0": layer}
+
+
+JakiroStarDrafter.torch_layout = tl.TorchLayout(
+    shapes=_shapes, to_reference=_to_reference, from_reference=_from_reference,
+    recognizes=lambda state: MOE + "experts.0.fc.weight" in state, guess_priority=2,
+    config_extras=lambda drafter: {"num_local_experts": 2, "num_experts_per_tok": 2},
+    reference_rope_theta=REFERENCE_ROPE_THETA)

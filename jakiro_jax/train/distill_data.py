@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
-import sys
 import time
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from jakiro_jax.spec.autoregressive import generate_ar
-from jakiro_jax.spec.sampling import SamplingConfig
+from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.train import data
 from jakiro_jax.train.features import target_features
+
+log = logging.getLogger(__name__)
 
 SELF_PROMPTS_FILE = "self_prompts.jsonl"
 
@@ -180,9 +182,8 @@ def make_feature_set(target, prompts: Sequence[str], out_dir, settings: GenDataS
   num_shards = -(-len(prompts) // settings.shard_size)
   done = set(data.completed_shards(out_dir))
   todo = [s for s in range(num_shards) if s not in done][:max_shards]
-  if progress:
-    print(f"{len(prompts)} prompts in {num_shards} shards: {len(done)} done, making "
-          f"{len(todo)} in {out_dir}", file=sys.stderr)
+  log.info("%d prompts in %d shards: %d done, making %d in %s", len(prompts), num_shards,
+           len(done), len(todo), out_dir)
   tokens_made, skipped, start = 0, 0, time.perf_counter()
   bar = tqdm(todo, desc="shards", unit="shard", disable=not progress)
   for shard in bar:

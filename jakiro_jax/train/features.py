@@ -12,7 +12,7 @@ import numpy as np
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.models.llama import Llama, new_cache
-from jakiro_jax.spec.batching import round_up
+from jakiro_jax.speculative.batching import round_up
 
 LENGTH_BUCKET = 64  # sequences pad to a multiple of this, so lengths share compilations
 

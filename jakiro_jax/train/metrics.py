@@ -3,6 +3,8 @@
 Axis letters: B batch, T positions, D hidden, V vocab, K drafted levels.
 
 Definition (a top-1 chain per start position, all starts of a row in parallel):
+Each drafter's `validation_chain` drafts the chains (`drafts/base.Chain`).
+
 * Start t: the draft reads the true context pairs (f_0, x_1) .. (f_t, x_{t+1}) and
   drafts levels 1..K on its own predictions, exactly as a drafting round does along one
   path: level 1 from the context forward at t, then each further step consumes (its
@@ -31,82 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.models.kv_cache import causal_mask
+from jakiro_jax.drafts.base import TargetHead, head_argmax
 from jakiro_jax.train.collate import shift_for_training
-
-from gumiho_jax.draft import GumihoDraft
-
-
-def head_argmax(x: jax.Array, head: jax.Array, chunk: int = 256) -> jax.Array:
-  """argmax over `x [..., D] @ head[V, D].T`, rows in chunks so `[rows, V]` stays small."""
-  lead = x.shape[:-1]
-  rows = x.reshape(-1, x.shape[-1])
-  n = rows.shape[0]
-  pad = -n % chunk
-  rows = jnp.concatenate([rows, jnp.zeros((pad, rows.shape[1]), rows.dtype)])
-  out = jax.lax.map(
-      lambda r: jnp.argmax(jnp.einsum("RD,VD->RV", r, head.astype(r.dtype)), axis=-1),
-      rows.reshape(-1, chunk, rows.shape[1]))
-  return out.reshape(-1)[:n].reshape(lead).astype(jnp.int32)
-
-
-def _chain_step(drafter, params, target_params, tokens, hidden, k, cache, length, **kw):
-  """Chain step k >= 1: the node of start t sits at slot k*T + t, position t + k, and sees
-  context slots <= t and its own chain's slots j*T + t (j = 1..k)."""
-  batch = tokens.shape[0]
-  slots = jnp.arange(cache.max_len)[None, :]
-  t = jnp.arange(length)[:, None]
-  visible = (((slots < length) & (slots <= t))
-             | ((slots >= length) & (slots < (k + 1) * length) & (slots % length == t)))
-  mask = jnp.broadcast_to(visible[None], (batch, length, cache.max_len))
-  positions = jnp.broadcast_to((jnp.arange(length) + k)[None], (batch, length))
-  out, cache = drafter.forward(params, target_params, tokens, hidden, positions,
-                               cache.replace(lengths=jnp.full((batch,), k * length,
-                                                              jnp.int32)), mask, **kw)
-  return out, cache
-
-
-def _chain_hidden(name: str, out: jax.Array) -> jax.Array:
-  """The draft output a chain continues from: Jakiro*'s `[B, T, 2, D]` -> its preferred
-  expert (the rank-0 child at T = 0 is that expert's argmax, and drafting carries it)."""
-  return out[:, :, 0] if name == "jakiro_star" else out
-
-
-def draft_chain_tokens(drafter, params, target_params, input_ids, features, head):
-  """Top-1 drafted tokens `[K, B, T]` for every start t (see the module docstring).
-
-  input_ids `[B, T]` shifted (x_{t+1}), features `[B, T, D]` (f_t, no noise), head `[V, D]`.
-  """
-  batch, length = input_ids.shape
-  depth = drafter.tree.depth
-  name = drafter.name
-  steps = {"eagle2": depth, "jakiro": depth - 1, "jakiro_star": depth,
-           "gumiho": getattr(drafter, "serial_steps", 0)}[name]
-  cache = drafter.new_cache(batch, (steps + 1) * length)
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  mask = causal_mask(jnp.zeros((batch,), jnp.int32), length, cache.max_len)
-  hidden, cache = drafter.forward(params, target_params, input_ids, features, positions,
-                                  cache, mask)
-  hidden = _chain_hidden(name, hidden)
-  hiddens, tokens = [hidden], [head_argmax(hidden, head)]
-  for k in range(1, steps + 1):
-    if name == "jakiro" and k == steps:  # one forward, two levels
-      (left, right), cache = _chain_step(drafter, params, target_params, tokens[-1],
-                                         hiddens[-1], k, cache, length, both=True)
-      tokens += [head_argmax(left, head), head_argmax(right, head)]
-      break
-    hidden, cache = _chain_step(drafter, params, target_params, tokens[-1], hiddens[-1], k,
-                                cache, length)
-    hidden = _chain_hidden(name, hidden)
-    hiddens.append(hidden)
-    tokens.append(head_argmax(hidden, head))
-  if name == "gumiho":  # MLP heads read (level s, its hidden) and (level s+1, its hidden)
-    pair_ids = jnp.stack(tokens[-2:], axis=2)  # [B, T, 2]
-    pair_hidden = jnp.stack(hiddens[-2:], axis=2)  # [B, T, 2, D]
-    out = drafter.module().apply(params, drafter._embed(target_params, pair_ids),
-                                 pair_hidden, method=GumihoDraft.parallel)  # [B, T, M, D]
-    tokens += [head_argmax(out[:, :, i], head) for i in range(out.shape[2])]
-  return jnp.stack(tokens)
 
 
 def _ahead(x: jax.Array, k: int, fill=0) -> jax.Array:
@@ -135,17 +63,17 @@ def count_acceptance(drafted, greedy, next_ids, loss_mask):
 
 
 @functools.partial(jax.jit, static_argnames=("drafter",))
-def acceptance_counts(params, target_params, input_ids, features, loss_mask, lengths, head,
-                      *, drafter):
+def acceptance_counts(params, head: TargetHead, input_ids, features, loss_mask, lengths, *,
+                      drafter):
   """(hits `[K]`, trials `[K]`) int32 for one batch; alpha_k = hits_k / trials_k.
 
   input_ids `[B, T]`, features `[B, T, D]`, loss_mask `[B, T]` are the unshifted padded
-  arrays of `collate.pad_rows`; head `[V, D]` the full target lm_head.
+  arrays of `collate.pad_rows`; `head` binds the full target lm_head.
   """
   batch = shift_for_training(input_ids, features, loss_mask, lengths)
-  drafted = draft_chain_tokens(drafter, params, target_params, batch.input_ids,
-                               batch.features, head)  # [K, B, T]
-  greedy = head_argmax(batch.features, head)
+  drafted = drafter.validation_chain(params, head, batch.input_ids,
+                                     batch.features)  # [K, B, T]
+  greedy = head_argmax(batch.features, head.lm_head)
   return count_acceptance(drafted, greedy, batch.input_ids, batch.loss_mask)
 
 

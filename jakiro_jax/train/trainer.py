@@ -42,13 +42,15 @@ import ml_collections
 import numpy as np
 import optax
 
-from jakiro_jax import sharding
+import jakiro_jax.sharding as sharding
+from jakiro_jax.drafts import registry
+from jakiro_jax.drafts.base import TargetHead
 from jakiro_jax.train.collate import (bucket_length, pad_rows, shift_for_training,
                                      uniform_noise)
 from jakiro_jax.train.data_order import DataOrder, split_rows
-from jakiro_jax.train.objectives import LossSettings, objective_for
-from jakiro_jax.train.vocab_subset import (frequent_tokens, head_fn_from, head_matrix,
-                                           save_subset)
+from jakiro_jax.train.objectives import LossSettings
+from jakiro_jax.train.vocab_subset import frequent_tokens, head_matrix, save_subset
+
 
 class TrainInputError(ValueError):
   """A bad config, data set or output directory; the message says what to change."""
@@ -64,11 +66,13 @@ RESUMABLE_CHANGES = ("log_every", "eval_every", "eval_rows", "save_every",
 def default_config() -> ml_collections.ConfigDict:
   """Every training setting with its default; experiment files override a few."""
   c = ml_collections.ConfigDict()
-  c.method = "eagle2"  # eagle2 | jakiro | jakiro_star | gumiho
+  c.method = registry.DEFAULT_METHOD  # a registered method (`drafts/registry.py`)
   c.target = "smollm2"  # embedded name, HF model directory or .gguf file
   c.dtype = "float32"
-  c.tree = ml_collections.ConfigDict(dict(top_k=10, depth=5, total_tokens=60))
-  c.draft = ml_collections.ConfigDict()  # drafter options, e.g. Gumiho's mlp_num
+  # Draft blocks by method, the schema every config uses (`registry.config_block`): the
+  # tree (it sets the validation chain's depth) and the method's options by name;
+  # a method without a block takes its defaults.
+  c.drafts = ml_collections.ConfigDict()
   # Data.
   c.max_len = 1024  # rows are cut here (the original: 2048)
   c.batch_size = 4  # global, split over the data x fsdp devices of the mesh
@@ -149,8 +153,8 @@ def step_key(seed: int) -> jax.Array:
   return jax.random.split(jax.random.PRNGKey(seed))[1]
 
 
-def step_loss(drafter, settings: StepSettings, params, batch: dict, target_params, head,
-              epoch, rng):
+def step_loss(drafter, settings: StepSettings, params, batch: dict, target_params,
+              head: TargetHead, epoch, rng):
   """The training loss of one padded batch (`collate.pad_rows` arrays) -> (loss, terms).
 
   In the online mode the features come from the frozen target here; the stored mode reads
@@ -169,9 +173,7 @@ def step_loss(drafter, settings: StepSettings, params, batch: dict, target_param
   if settings.noise:
     shifted = shifted.replace(features=uniform_noise(rng, shifted.features, batch["lengths"],
                                                      settings.noise_std))
-  objective = objective_for(drafter)
-  return objective(drafter, params, target_params, shifted, head_fn_from(head), epoch,
-                   settings.loss)
+  return drafter.objective(params, head.frozen(), shifted, epoch, settings.loss)
 
 
 def train_state_shardings(drafter, tx, mesh):
@@ -188,7 +190,8 @@ def train_state_shardings(drafter, tx, mesh):
 
 def make_train_step(drafter, settings: StepSettings, tx, schedule, state_sharding,
                     batch_sharding, target_sharding, head_sharding, replicated):
-  """jit(state, batch, target_params, head) -> (state, metrics); the state is donated."""
+  """jit(state, batch, target_params, head: TargetHead) -> (state, metrics); the state is
+  donated."""
 
   def step(state, batch, target_params, head):
     count = state["step"]
@@ -284,9 +287,9 @@ def _token_subset(table, train_rows, vocab_size: int, k: int, max_len: int) -> n
 
 
 def _check_config(config) -> None:
-  from jakiro_jax.drafts import DRAFTERS
-  if config.method not in DRAFTERS:
-    raise TrainInputError(f"unknown method {config.method!r}; available: {sorted(DRAFTERS)}")
+  if config.method not in registry.names():
+    raise TrainInputError(f"unknown method {config.method!r}; available: "
+                          f"{sorted(registry.names())}")
   for name in ("batch_size", "max_len", "log_every", "save_every"):
     if config[name] < 1:
       raise TrainInputError(f"config.{name} must be >= 1, got {config[name]}")
@@ -308,8 +311,6 @@ class _Inputs:
 
 
 def _load_inputs(config, data_dir) -> _Inputs:
-  from jakiro_jax.drafts import make_drafter
-  from jakiro_jax.spec.tree import TreeConfig
   from jakiro_jax.target import load_target
   from jakiro_jax.train.data import load_feature_dataset
 
@@ -324,8 +325,12 @@ def _load_inputs(config, data_dir) -> _Inputs:
       raise TrainInputError(f"feature set {data_dir} was made for {field}={meta.get(field)} "
                        f"(target {meta.get('target')!r}) but target {config.target!r} has "
                        f"{field}={ours}")
-  drafter = make_drafter(config.method, target.config, TreeConfig(**config.tree),
-                         **config.draft.to_dict())
+  try:
+    drafter = registry.drafter_from_config(config, config.method, target.config)
+  except (TypeError, ValueError) as e:
+    raise TrainInputError(f"config.drafts.{config.method}: {e}") from None
+  if not registry.has_params(config.method, target.config):
+    raise TrainInputError(f"method {config.method!r} has no parameters to train")
   prompt_index, lengths, table = _scan_columns(dataset)
   train_rows, val_rows = split_rows(prompt_index, config.val_fraction)
   order = DataOrder(train_rows, np.minimum(lengths[train_rows], config.max_len),
@@ -351,7 +356,7 @@ def _restore(checkpoints, step: int, abstract, fingerprint: dict, order: DataOrd
   return state, None if subset is None else np.asarray(subset, np.int32)
 
 
-def _evaluate(batches, params, target_params, head, drafter, online: bool,
+def _evaluate(batches, params, target_params, head: TargetHead, drafter, online: bool,
               batch_placement) -> dict:
   """alpha_k and tau (`metrics.py`) over the padded validation batches."""
   from jakiro_jax.train.features import features_jit
@@ -362,8 +367,8 @@ def _evaluate(batches, params, target_params, head, drafter, online: bool,
     batch = jax.device_put(batch, batch_placement)
     features = (features_jit(target_params, batch["input_ids"], config=drafter.target_config)
                 if online else batch["features"])
-    h, t = acceptance_counts(params, target_params, batch["input_ids"], features,
-                             batch["loss_mask"], batch["lengths"], head, drafter=drafter)
+    h, t = acceptance_counts(params, head, batch["input_ids"], features, batch["loss_mask"],
+                             batch["lengths"], drafter=drafter)
     hits, trials = hits + np.asarray(h), trials + np.asarray(t)
   return summarize(hits, trials)
 
@@ -452,13 +457,14 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
         save_subset(out_dir, subset)
     tied = target.config.tie_word_embeddings
 
-    def place_head(head):
-      return jax.device_put(head, sharding.logical_sharding(sharding.HEAD_AXES, head.shape,
-                                                            mesh))
+    def place_head(matrix):
+      return jax.device_put(matrix, sharding.logical_sharding(sharding.HEAD_AXES,
+                                                              matrix.shape, mesh))
 
-    full_head = place_head(head_matrix(target.params, tied))
-    train_head = (full_head if subset is None else
-                  place_head(head_matrix(target.params, tied, subset)))
+    full_head = TargetHead(target_params["params"]["embed_tokens"]["embedding"],
+                           place_head(head_matrix(target.params, tied)))
+    train_head = (full_head if subset is None else full_head.replace(
+        lm_head=place_head(head_matrix(target.params, tied, subset))))
     if is_writer:
       with open(os.path.join(out_dir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
@@ -469,18 +475,15 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
     compiled = {}
 
     def train_step_at(step: int):
-      """The jitted step of a step's phase: Gumiho compiles one without and one with the
-      MLP cross-entropy (weight 0 before loss.mlp_p_start_epoch), the others one."""
-      phase = settings
-      if drafter.name == "gumiho":
-        ce = order.position(step)[0] >= settings.loss.mlp_p_start_epoch
-        phase = dataclasses.replace(settings,
-                                    loss=dataclasses.replace(settings.loss, mlp_ce=ce))
+      """The jitted step of a step's phase (`drafter.loss_phase`; e.g. Gumiho compiles
+      one without and one with its MLP cross-entropy), most methods one."""
+      phase = dataclasses.replace(
+          settings, loss=drafter.loss_phase(settings.loss, order.position(step)[0]))
       if phase not in compiled:
         compiled[phase] = make_train_step(
             drafter, phase, tx, schedule, state_sharding, batch_sharding,
-            jax.tree.map(lambda x: x.sharding, target_params), train_head.sharding,
-            replicated)
+            jax.tree.map(lambda x: x.sharding, target_params),
+            jax.tree.map(lambda x: x.sharding, train_head), replicated)
       return compiled[phase]
 
     host_rows = sharding.process_rows(batch_sharding, config.batch_size)

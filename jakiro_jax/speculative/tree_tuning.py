@@ -30,9 +30,9 @@ from typing import Any, Sequence
 
 import jax
 
-from jakiro_jax.spec.round_timing import ar_step_ms
-from jakiro_jax.spec.sampling import SamplingConfig
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.round_timing import ar_step_ms
+from jakiro_jax.speculative.sampling import SamplingConfig
+from jakiro_jax.speculative.tree import TreeConfig
 
 GRID_VERSION = 1  # bump when the grid or the measurement changes: old cache entries lapse
 
@@ -56,8 +56,8 @@ CALIBRATION_PROMPTS = (
 
 @dataclasses.dataclass(frozen=True)
 class TreeChoice:
-  """A tree and the drafter options that shape it (Gumiho's mlp_topk/pruning, Jakiro*'s
-  choices)."""
+  """A tree and the drafter options that shape it (e.g. a Gumiho's mlp_topk and pruning, a
+  static tree's choices)."""
   tree: TreeConfig | None
   options: dict
 
@@ -72,12 +72,13 @@ class TreeChoice:
     return cls(tree, options)
 
   def label(self) -> str:
-    if "choices" in self.options:
-      return f"static tree of {len(self.options['choices']) + 1} nodes"
-    t = self.tree
-    text = f"top_k {t.top_k} depth {t.depth} total_tokens {t.total_tokens}"
-    extra = {k: v for k, v in self.options.items() if k in ("mlp_topk", "pruning")}
-    return text + "".join(f" {k} {v}" for k, v in extra.items())
+    parts = []
+    if self.tree is not None:
+      t = self.tree
+      parts.append(f"top_k {t.top_k} depth {t.depth} total_tokens {t.total_tokens}")
+    for k, v in self.options.items():  # a list of paths reads as its size
+      parts.append(f"static tree of {len(v) + 1} nodes" if k == "choices" else f"{k} {v}")
+    return " ".join(parts)
 
 
 def _plain(value):
@@ -157,29 +158,10 @@ class TuningResult:
             f"expected {self.expected_speedup:.2f}x over the AR loop")
 
 
-def candidate_grid(method: str, mlp_num: int = 5) -> list[TreeChoice]:
-  """Candidate trees of `method`, cheapest first: chains, small trees, the papers' tree.
-
-  `mlp_num`: Gumiho's MLP heads (architectural, from the draft): its depth is one serial
-  level more.
-  """
-  if method in ("eagle2", "jakiro"):
-    min_depth = 2 if method == "jakiro" else 0  # Jakiro's hybrid step needs two levels
-    shapes = [(1, d, d + 2) for d in range(min_depth, 5)]
-    shapes += [(2, 2, 5), (2, 3, 7), (4, 4, 12), (6, 5, 26), (10, 5, 60)]
-    return [TreeChoice(TreeConfig(*s), {}) for s in shapes]
-  if method == "gumiho":
-    depth = mlp_num + 1
-    shapes = [(1, 4, 1, 1), (1, depth + 2, 1, 1), (2, 8, 2, 2), (4, 12, 4, 4),
-              (8, 32, 16, 16), (14, 64, 35, 35)]
-    return [TreeChoice(TreeConfig(k, depth, n), {"mlp_topk": m, "pruning": p})
-            for k, n, m, p in shapes]
-  if method == "jakiro_star":
-    from jakiro_jax.spec.static_tree import JAKIRO_STAR_CHOICES
-    chains = [tuple((0,) * (i + 1) for i in range(d)) for d in range(1, 5)]
-    small = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))
-    return [TreeChoice(None, {"choices": c}) for c in chains + [small, JAKIRO_STAR_CHOICES]]
-  raise ValueError(f"no tree grid for method {method!r}")
+def candidate_grid(drafter) -> list[TreeChoice]:
+  """Candidate trees of the drafter's method, cheapest first (`Drafter.tree_grid`: chains,
+  small trees, the papers' tree)."""
+  return [TreeChoice(tree, dict(options)) for tree, options in drafter.tree_grid()]
 
 
 def best_candidate(rows: Sequence[dict], ar_ms: float, margin: float) -> int | None:
@@ -195,7 +177,7 @@ def best_candidate(rows: Sequence[dict], ar_ms: float, margin: float) -> int | N
 
 def apply_choice(drafter, choice: TreeChoice):
   """The drafter with the choice's tree and options (same params)."""
-  if "choices" in choice.options:
+  if getattr(drafter, "derives_tree", False):  # its tree follows from the options
     return dataclasses.replace(drafter, tree=None, **choice.options)
   return dataclasses.replace(drafter, tree=choice.tree, **choice.options)
 
@@ -227,23 +209,21 @@ def tune_tree(target, method: str, draft: str | None = None, *,
               prompts: Sequence[Sequence[int]] | None = None, max_new_tokens: int = 48,
               grid: Sequence[TreeChoice] | None = None, margin: float = 1.03,
               use_cache: bool = True, cache_dir: str | os.PathLike | None = None,
-              progress: bool = True, seed: int = 0, loaded: Any = None,
+              progress: bool = True, seed: int = 0, loaded: Any,
               prune: bool = True) -> TuningResult:
   """Times the AR step and each candidate tree on this device, calibrates acceptance, and
   returns the fastest choice (None = AR).
 
-  draft: directory or shipped name (None = the draft shipped for `target`, 'random' = an
-  untrained one). prompts: token-id prompts for calibration (default: the chat-templated
-  `CALIBRATION_PROMPTS`). loaded: an already loaded `(drafter, params)` (then `draft` only
-  names it in the cache key). The chosen candidate must beat the AR step's tokens/s by
+  loaded: the loaded `(drafter, params)`; draft: its directory or shipped name, for the
+  cache key (None = the shipped one). prompts: token-id prompts for calibration (default:
+  the chat-templated `CALIBRATION_PROMPTS`). The chosen candidate must beat the AR step's tokens/s by
   `margin` (timings vary by a few percent). prune: skip calibrating a candidate whose
   best case cannot beat the best so far.
   """
   from tqdm import tqdm
 
-  from jakiro_jax.spec.benchmark import resolve_draft
-  from jakiro_jax.spec.generate import generate
-  from jakiro_jax.spec.round_timing import round_split
+  from jakiro_jax.speculative.generate import generate
+  from jakiro_jax.speculative.round_timing import round_split
 
   draft_id = draft or "shipped"
   path = cache_path(target, method, draft_id, sampling, cache_dir)
@@ -254,10 +234,8 @@ def tune_tree(target, method: str, draft: str | None = None, *,
     except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable: measure again
       logging.warning("ignoring unreadable tree tuning cache %s: %s", path, e)
 
-  drafter, params = loaded if loaded is not None else resolve_draft(target, method, draft,
-                                                                    None)
-  grid = list(grid) if grid is not None else candidate_grid(
-      method, getattr(drafter, "mlp_num", 5))
+  drafter, params = loaded
+  grid = list(grid) if grid is not None else candidate_grid(drafter)
   if prompts is None:
     if target.tokenizer is None:
       raise ValueError(f"tree tuning calibrates on chat prompts, but target {target.name!r} "

@@ -15,19 +15,20 @@ def read_questions(path: str, limit: int) -> list[str]:
   return read_prompts(path, limit)
 
 
-INFERENCE_OPTIONS = ("fta", "choices", "reference_parity", "mlp_topk", "pruning")  # not learnt
-
-
 def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
                   options: dict | None = None):
-  """(drafter, params) from a directory, a shipped name, 'random' or the shipped default."""
+  """(drafter, params) from a directory, a shipped name, 'random' or the shipped default.
+
+  The tree and the method's inference options (`Drafter.inference_options`, not learnt)
+  replace what the draft was saved with; other options must match the draft."""
   import jax
 
-  from jakiro_jax.drafts import make_drafter
+  from jakiro_jax.drafts import registry
   from jakiro_jax.drafts.io import SHIPPED_DRAFTS, load_draft
 
-  if draft == "random":
-    drafter = make_drafter(method, target.config, tree, **(options or {}))
+  if draft == "random" or (draft is None and not registry.has_params(method, target.config)):
+    # a method without parameters (e.g. prompt lookup) needs no draft directory
+    drafter = registry.make_drafter(method, target.config, tree, **(options or {}))
     return drafter, drafter.init_params(jax.random.PRNGKey(seed))
   if draft is None:
     name = f"{target.name}-{method}"
@@ -36,19 +37,19 @@ def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
                        f"pass --draft=DIR, or --draft=random for an untrained (lossless, "
                        f"slow) draft")
     draft = name
-  # Inference-time options (the tree shape, flags) override what the draft was saved with,
-  # like the config's tree; Jakiro*'s tree follows its choices, so it is re-derived from them.
-  # Architecture options must match the draft.
   options = dict(options or {})
-  inference = {k: v for k, v in options.items() if k in INFERENCE_OPTIONS}
-  drafter, params = load_draft(draft, target, None if "choices" in inference else tree,
+  inference = {k: v for k, v in options.items() if k in registry.inference_options(method)}
+  # a tree that follows from an option (Jakiro*'s choices) is re-derived from it
+  derived = registry.get(method).derives_tree
+  drafter, params = load_draft(draft, target, None if derived and inference else tree,
                                overrides=inference)
   if drafter.name != method:
     raise ValueError(f"draft {draft} is a {drafter.name} draft, not {method}")
-  for arch in ("mlp_num",):
-    if arch in options and options[arch] != getattr(drafter, arch):
-      raise ValueError(f"draft {draft} has {arch}={getattr(drafter, arch)}, the config asks "
-                       f"for {options[arch]}; set it to the draft's")
+  saved = registry.option_fields(drafter)
+  for name, value in options.items():  # architecture options must match the draft
+    if name not in inference and name in saved and saved[name] != value:
+      raise ValueError(f"draft {draft} has {name}={saved[name]}, the config asks for "
+                       f"{value}; set it to the draft's")
   return drafter, params
 
 
@@ -56,7 +57,7 @@ def _timed_runs(prompts, generate_fn, desc):
   """Warm-up compile per prompt bucket (untimed), then one timed run per prompt."""
   from tqdm import tqdm
 
-  from jakiro_jax.spec.batching import prompt_bucket
+  from jakiro_jax.speculative.batching import prompt_bucket
 
   warmed = set()
   for prompt in prompts:
@@ -80,7 +81,7 @@ def ar_baseline(target, prompts, max_new_tokens: int, sampling, seed: int,
                 mesh=None) -> dict:
   """Our AR loop on each prompt (batch 1, timed after a warm-up): outputs and rates.
   `mesh`: run sharded over it (`jakiro_jax.sharding.make_mesh`)."""
-  from jakiro_jax.spec.autoregressive import generate_ar
+  from jakiro_jax.speculative.autoregressive import generate_ar
 
   runs = _timed_runs(
       prompts, lambda p, i: generate_ar(target, [p], max_new_tokens, sampling, seed=seed + i,
@@ -93,7 +94,7 @@ def spec_runs(target, drafter, params, prompts, max_new_tokens: int, sampling, s
               mesh=None) -> list:
   """Speculative generation of each prompt at batch 1 (timed after a warm-up compile per
   prompt bucket): one `SpecOutput` per prompt."""
-  from jakiro_jax.spec.generate import generate
+  from jakiro_jax.speculative.generate import generate
 
   return _timed_runs(
       prompts, lambda p, i: generate(target, drafter, params, [p], max_new_tokens, sampling,
@@ -131,7 +132,7 @@ def spec_report(target, drafter, params, prompts, ar: dict, max_new_tokens: int,
   """Speculative generation on the prompts against the AR baseline `ar` of the same run:
   (report fields, outputs); see `spec_fields`, plus the draft/verify split of a round
   (`round_timing.round_split`) at the mean context length."""
-  from jakiro_jax.spec.round_timing import round_split
+  from jakiro_jax.speculative.round_timing import round_split
 
   runs = spec_runs(target, drafter, params, prompts, max_new_tokens, sampling, seed, mesh)
   report = spec_fields(drafter, runs, ar, sampling, draft_name)
@@ -153,40 +154,30 @@ def base_report(method: str, target, prompts, max_new_tokens: int, sampling, ar:
           **{k: v for k, v in ar.items() if k not in ("outputs", "seconds")}}
 
 
-def tree_and_options(config, method: str, fta: bool = False, reference_parity: bool = False,
-                     **overrides):
-  """The tree and drafter options of `method` from the config (Gumiho has its own block;
-  Jakiro*'s static tree is `config.jakiro_star.choices`, default the original's).
-  `reference_parity` (jakiro, jakiro_star): the original code's behaviour; for Jakiro* at
-  T > 0 that is its acceptance rule, which does not preserve the target distribution."""
-  from jakiro_jax.spec.static_tree import JAKIRO_STAR_CHOICES, normalize_choices, static_tree
-  from jakiro_jax.spec.tree import TreeConfig
+def tree_and_options(config, method: str, **overrides):
+  """(tree, drafter options) of `method` from the config's draft block
+  (`registry.config_block`), with `overrides` (None or False = keep; the tree fields
+  top_k, depth, total_tokens go to the tree). Unknown options are a ValueError."""
+  import dataclasses
 
-  options = {}
-  if reference_parity:
-    if method not in ("jakiro", "jakiro_star"):
-      raise ValueError("reference_parity applies to methods jakiro and jakiro_star only")
-    options["reference_parity"] = True
-  if method == "jakiro_star":
-    if fta:
-      raise ValueError("fta applies to method gumiho only")
-    given = sorted(k for k, v in overrides.items() if v is not None)
-    if given:
-      raise ValueError(f"Jakiro* drafts a static tree given by config.jakiro_star.choices; "
-                       f"{', '.join(given)} do not apply")
-    block = config.get("jakiro_star")
-    choices = normalize_choices(block["choices"] if block else JAKIRO_STAR_CHOICES)
-    return static_tree(choices).tree_config(), dict(options, choices=choices)
-  if method == "gumiho":
-    tree_cfg = dict(config.gumiho)
-    options = {k: tree_cfg.pop(k) for k in ("mlp_num", "mlp_topk", "pruning")}
-    options["fta"] = fta
-  elif fta:
-    raise ValueError("fta applies to method gumiho only")
-  else:
-    tree_cfg = dict(config.tree)
-  tree_cfg.update({k: v for k, v in overrides.items() if v is not None})
-  return TreeConfig(**tree_cfg), options
+  from jakiro_jax.drafts import registry
+  from jakiro_jax.drafts.base import check_options
+  from jakiro_jax.speculative.tree import TreeConfig
+
+  tree, options = registry.split_block(registry.config_block(config, method))
+  tree_fields = {k: overrides.pop(k) for k in ("top_k", "depth", "total_tokens")
+                 if k in overrides}
+  given = {k: v for k, v in tree_fields.items() if v is not None}
+  if given:
+    if registry.get(method).derives_tree:
+      raise ValueError(f"{method} derives its tree from its options; "
+                       f"{', '.join(sorted(given))} do not apply")
+    base = registry.get(method).tree_for(tree, options)
+    tree = TreeConfig(**dict(dataclasses.asdict(base), **given))
+  options.update({k: v for k, v in overrides.items() if v is not None and v is not False})
+  cls = registry.get(method)
+  check_options(cls, options)
+  return cls.tree_for(tree, options), options
 
 
 def load_results(out_dir: str) -> list[dict]:

@@ -129,6 +129,30 @@ def level_one(logp_root: jax.Array, hidden_root: jax.Array, k: int, slots: int) 
       parent_row=jnp.zeros((batch, k), jnp.int32))
 
 
+def next_frontier(frontier: Frontier, cumulative: jax.Array, child_tokens: jax.Array,
+                  hidden: jax.Array, step: int, slots: int,
+                  candidate_ids: Callable[[jax.Array], jax.Array]):
+  """The K best children of tree step `step` as the next frontier.
+
+  cumulative, child_tokens `[B, K*K]`: the children of the K frontier nodes (row-major by
+  parent); hidden `[B, K, D]`: the draft output of each frontier node;
+  candidate_ids(best `[B, K]`) -> the children's candidate ids `[B, K]`. The children sit
+  at draft slots (step + 1) * K + j (past the last step the index falls off: no slot).
+  """
+  k = frontier.tokens.shape[1]
+  best_scores, best = jax.lax.top_k(cumulative, k)
+  row = best // k
+  new_slot = jax.nn.one_hot((step + 1) * k + jnp.arange(k), slots, dtype=bool)
+  return Frontier(
+      candidate=candidate_ids(best),
+      tokens=jnp.take_along_axis(child_tokens, best, axis=1),
+      scores=best_scores,
+      hidden=jnp.take_along_axis(hidden, row[:, :, None], axis=1),
+      ancestor=jnp.take_along_axis(frontier.ancestor, row[:, :, None], axis=1)
+      | new_slot[None],
+      parent_row=row.astype(jnp.int32))
+
+
 def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
                 config: TreeConfig) -> Candidates:
   """EAGLE-2 level expansion.
@@ -154,17 +178,8 @@ def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
     all_scores.append(cumulative)
     all_parents.append(jnp.repeat(frontier.candidate, k, axis=1))
     if i + 1 < config.depth:
-      best_scores, best = jax.lax.top_k(cumulative, k)
-      row = best // k
-      new_slot = jax.nn.one_hot((i + 1) * k + jnp.arange(k), slots, dtype=bool)
-      frontier = Frontier(
-          candidate=(first + best).astype(jnp.int32),
-          tokens=jnp.take_along_axis(child_tokens, best, axis=1),
-          scores=best_scores,
-          hidden=jnp.take_along_axis(hidden, row[:, :, None], axis=1),
-          ancestor=jnp.take_along_axis(frontier.ancestor, row[:, :, None], axis=1)
-          | new_slot[None],
-          parent_row=row.astype(jnp.int32))
+      frontier = next_frontier(frontier, cumulative, child_tokens, hidden, i, slots,
+                                  lambda best: (first + best).astype(jnp.int32))
   return Candidates(tokens=jnp.concatenate(all_tokens, axis=1),
                     scores=jnp.concatenate(all_scores, axis=1),
                     parent=jnp.concatenate(all_parents, axis=1))

@@ -11,7 +11,6 @@ token is the bonus, which becomes the next root.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
@@ -22,25 +21,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jakiro_jax.drafts.base import RoundInputs, TargetHead
 from jakiro_jax.models.kv_cache import KVCache, causal_mask, tree_mask
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, new_cache
-from jakiro_jax.spec.autoregressive import is_stop_token, prefill
-from jakiro_jax.spec.batching import prepare_batch
-from jakiro_jax.spec.sampling import SamplingConfig, sample_token
-from jakiro_jax.spec.tree import Tree
-from jakiro_jax.spec.verify import commit_path
-
-TRACE_COUNT: collections.Counter = collections.Counter()
-FORWARD_TRACES: collections.Counter = collections.Counter()  # draft forwards seen by tracing
+from jakiro_jax.speculative.autoregressive import is_stop_token, prefill
+from jakiro_jax.speculative.batching import prepare_batch
+from jakiro_jax.speculative.sampling import SamplingConfig, sample_token
+from jakiro_jax.speculative.tree import Tree
+from jakiro_jax.speculative.verify import Acceptance, commit_path
+import jakiro_jax.sharding as sharding
 
 
 @flax.struct.dataclass
 class SpecState:
   rounds: jax.Array  # [] int32
   root: jax.Array  # [B] last sampled token, not yet in the target cache
-  draft_hidden: jax.Array  # [B, D] draft output that predicts the token after root
-  #                          ([B, 2, D] for Jakiro*: both experts' outputs)
+  draft_hidden: Any  # the drafter's carried output after root (`Drafter.carry`), e.g.
+  #                   [B, D]; Jakiro*: [B, 2, D], both experts' outputs
   tokens: jax.Array  # [B, max_new] output, pad after a row stops
   num_generated: jax.Array  # [B]
   done: jax.Array  # [B] bool
@@ -49,55 +47,60 @@ class SpecState:
   draft_cache: KVCache
 
 
-def draft_context(drafter, draft_params, target_params, tokens, features, count,
-                  cache: KVCache):
+def draft_context(drafter, draft_params, head, tokens, features, count, cache):
   """Feeds pairs (features[t], tokens[t]) at draft slots/positions `lengths + t`.
 
-  tokens `[B, T]`, features `[B, T, D]`, count `[B]` valid pairs per row. Returns the draft
-  output at each row's last valid pair `[B, D]` and the cache with `lengths += count`.
+  tokens `[B, T]`, features `[B, T, D]`, count `[B]` valid pairs per row. Returns the
+  drafter's carried output at each row's last valid pair (`[B, D]` for most) and the cache
+  with `lengths += count`.
   """
-  FORWARD_TRACES[drafter.name] += 1
   num_new = tokens.shape[1]
   start = cache.lengths
   positions = start[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None]
   mask = causal_mask(start, num_new, cache.max_len)
-  hidden, cache = drafter.forward(draft_params, target_params, tokens, features, positions,
-                                  cache, mask)
-  last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(count, 1) - 1]
-  return last, cache.replace(lengths=start + count)
+  out, cache = drafter.forward(draft_params, head, tokens, features, positions, cache, mask)
+  rows, last = jnp.arange(tokens.shape[0]), jnp.maximum(count, 1) - 1
+  carried = jax.tree.map(lambda x: x[rows, last], drafter.carry(out))
+  return carried, cache.replace(lengths=start + count)
 
 
-def draft_tree(drafter, draft_params, target_params, hidden_root, root,
-               cache: KVCache, sampling: SamplingConfig = SamplingConfig(),
-               rng: jax.Array | None = None) -> tuple[Tree, KVCache]:
-  """One round's tree from the draft output after the root; cache lengths unchanged.
-
-  The drafter's `draft(run_forward, hidden_root, root, draft_params, target_params,
-  sampling, rng)` returns the tree (EAGLE-2: scored candidates, then the rerank;
-  Jakiro*: candidates sampled on a static tree with `rng`); `run_forward(i, frontier, **kw)`
+def draft_tree(drafter, draft_params, head, carried_root, root, cache,
+               sampling: SamplingConfig = SamplingConfig(),
+               rng: jax.Array | None = None) -> tuple[Tree, Any]:
+  """One round's tree from the drafter's carried output after the root; cache lengths
+  unchanged. `run_forward(i, frontier)` (given to `drafter.draft` in its `RoundInputs`)
   runs the draft over a frontier of at most K nodes at tree step i (RoPE position n + i,
-  draft slots n + i*K ..).
-  """
-  tree_cfg = drafter.tree
-  k = tree_cfg.top_k
+  draft slots n + i*K ..)."""
+  k = drafter.tree.top_k
   context = cache.lengths
   scratch = {"cache": cache}
 
-  def run_forward(i, frontier, **kwargs):
+  def run_forward(i, frontier):
     # Level i+1 nodes sit at RoPE position n + i and at draft slots n + i*K + j.
-    FORWARD_TRACES[drafter.name] += 1  # trace time: counts draft forwards in the program
     step_cache = scratch["cache"].replace(lengths=context + i * k)
     mask = tree_mask(context, frontier.ancestor, cache.max_len)
     positions = jnp.broadcast_to((context + i)[:, None], frontier.tokens.shape)
-    out, new = drafter.forward(draft_params, target_params, frontier.tokens, frontier.hidden,
-                               positions, step_cache, mask, **kwargs)
+    out, new = drafter.forward(draft_params, head, frontier.tokens, frontier.hidden,
+                               positions, step_cache, mask)
     scratch["cache"] = new.replace(lengths=context)
     return out
 
   rng = jax.random.PRNGKey(0) if rng is None else rng
-  tree = drafter.draft(run_forward, hidden_root, root, draft_params, target_params, sampling,
-                       rng)
+  tree = drafter.draft(RoundInputs(draft_params, head, carried_root, root, cache, run_forward,
+                                   sampling, rng))
   return tree, scratch["cache"]
+
+
+def verify_tree(model: Llama, target_params, drafter, tree: Tree, cache: KVCache,
+                sampling: SamplingConfig, rng: jax.Array):
+  """The target over the tree's nodes (written at cache slots n..n+N-1, lengths
+  unchanged) and the drafter's acceptance: (Acceptance, features `[B, N, D]`, cache)."""
+  visible, plan = drafter.verification_plan(tree)
+  mask = tree_mask(cache.lengths, visible, cache.max_len)
+  logits, features, cache = model.apply(
+      target_params, tree.tokens, cache.lengths[:, None] + tree.depth, cache, mask)
+  result: Acceptance = drafter.accept(tree, plan, logits, sampling, rng)
+  return result, features, cache
 
 
 def first_stop(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
@@ -120,8 +123,8 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
   The target runs with `target_config` (the target's own), never the drafter's
   `target_config`: a drafter built for another config would otherwise change the target.
   """
-  TRACE_COUNT["speculative_generate"] += 1  # runs at trace time only: counts compilations
   model = Llama(target_config)
+  head = TargetHead.of(target_config, target_params)
   batch = prompt.shape[0]
   rows = jnp.arange(batch)
   max_path = drafter.tree.max_path
@@ -133,7 +136,7 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
   shifted = jnp.concatenate([prompt[:, 1:], jnp.zeros((batch, 1), prompt.dtype)], axis=1)
   shifted = shifted.at[rows, prompt_lengths - 1].set(root)
   hidden_root, draft_cache = draft_context(
-      drafter, draft_params, target_params, shifted, features, prompt_lengths,
+      drafter, draft_params, head, shifted, features, prompt_lengths,
       draft_cache.replace(lengths=jnp.zeros((batch,), jnp.int32)))
   state = SpecState(
       rounds=jnp.int32(0), root=root, draft_hidden=hidden_root,
@@ -148,15 +151,11 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
 
   def body(s: SpecState):
     round_rng = jax.random.fold_in(rng, s.rounds + 1)
-    tree, draft_cache = draft_tree(drafter, draft_params, target_params, s.draft_hidden,
-                                   s.root, s.draft_cache, sampling,
+    tree, draft_cache = draft_tree(drafter, draft_params, head, s.draft_hidden, s.root,
+                                   s.draft_cache, sampling,
                                    jax.random.fold_in(round_rng, 1))  # sampled drafts
-    cache = s.target_cache
-    visible, plan = drafter.verification_plan(tree)
-    mask = tree_mask(cache.lengths, visible, cache.max_len)
-    logits, features, cache = model.apply(
-        target_params, tree.tokens, cache.lengths[:, None] + tree.depth, cache, mask)
-    result = drafter.accept(tree, plan, logits, sampling, round_rng)
+    result, features, cache = verify_tree(model, target_params, drafter, tree,
+                                          s.target_cache, sampling, round_rng)
     active = ~s.done
     advance = jnp.where(active, result.accept_len + 1, 0)
     cache = commit_path(cache, result.path, advance)
@@ -167,8 +166,8 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
     new_tokens = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)], 1)
     new_tokens = new_tokens.at[rows, result.accept_len].set(result.bonus)
     path_features = jnp.take_along_axis(features, result.path[:, :, None], axis=1)
-    hidden_root, draft_cache = draft_context(drafter, draft_params, target_params,
-                                             new_tokens, path_features, advance, draft_cache)
+    hidden_root, draft_cache = draft_context(drafter, draft_params, head, new_tokens,
+                                             path_features, advance, draft_cache)
 
     stop_at = first_stop(new_tokens, stop_ids)
     count = jnp.minimum(jnp.minimum(result.accept_len + 1, stop_at + 1),
@@ -203,7 +202,6 @@ def speculative_shardings(target_shardings, draft_shardings, target_cache_shardi
   """(in_shardings, out_shardings) of `_speculative_loop` on a mesh: weights as given,
   prompts and per-row state over the batch axes, each cache in and out alike (so
   donation reuses its buffers)."""
-  from jakiro_jax import sharding
   rows = sharding.batch_sharding((batch,), mesh)
   scalar = sharding.replicated(mesh)
   in_shardings = (target_shardings, draft_shardings, rows, rows, rows, scalar,
@@ -269,7 +267,6 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
     weights = (target.params, draft_params)
     caches = (make_target_cache(), make_draft_cache())
   else:
-    from jakiro_jax import sharding
     target_cache, target_cache_shardings = sharding.sharded_zeros(
         make_target_cache, mesh, sharding.cache_shardings)
     draft_cache, draft_cache_shardings = sharding.sharded_zeros(

@@ -6,7 +6,6 @@ speculative loop and is kept as fast as we can make it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
@@ -19,11 +18,11 @@ import jax.numpy as jnp
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache, causal_mask
 from jakiro_jax.models.llama import Llama, new_cache
-from jakiro_jax.spec.batching import prepare_batch
-from jakiro_jax.spec.sampling import SamplingConfig, sample_token
+from jakiro_jax.speculative.batching import prepare_batch
+from jakiro_jax.speculative.sampling import SamplingConfig, sample_token
+import jakiro_jax.sharding as sharding
 
 
-TRACE_COUNT: collections.Counter = collections.Counter()
 
 
 @flax.struct.dataclass
@@ -73,7 +72,6 @@ def _ar_loop(params, prompt: jax.Array, prompt_lengths: jax.Array,
   prompt `[B, P]` right-padded, prompt_lengths/budgets `[B]` int32. A row stops after a
   stop token (kept in the output) or its budget. Returns the final `ARState`.
   """
-  TRACE_COUNT["ar_generate"] += 1  # runs at trace time only: counts compilations
   model = Llama(config)
   batch = prompt.shape[0]
   logits, _, cache = prefill(model, params, prompt, prompt_lengths, cache)
@@ -112,7 +110,6 @@ ar_generate_jit = jax.jit(_ar_loop, static_argnames=AR_STATIC_ARGS, donate_argna
 def ar_shardings(params_shardings, cache_shardings, batch: int, mesh):
   """(in_shardings, out_shardings) of `_ar_loop` on a mesh: params as given, prompts and
   per-row state over the batch axes, the cache in and out alike (so donation reuses it)."""
-  from jakiro_jax import sharding
   rows = sharding.batch_sharding((batch,), mesh)
   scalar = sharding.replicated(mesh)
   in_shardings = (params_shardings, rows, rows, rows, scalar, cache_shardings)
@@ -157,7 +154,6 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
     run, params = functools.partial(ar_generate_jit, **static), target.params
     cache = new_cache(target.config, size, batch.max_len)
   else:
-    from jakiro_jax import sharding
     cache, cache_shardings = sharding.sharded_zeros(
         lambda: new_cache(target.config, size, batch.max_len), mesh,
         sharding.cache_shardings)

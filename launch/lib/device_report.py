@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from jakiro_jax.spec.round_timing import decode_step_fn, median_ms
+from jakiro_jax.speculative.round_timing import decode_step_fn, median_ms
 
 SECTIONS = ("ar_decode", "speculative", "peers", "scale")
 METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
@@ -48,12 +48,6 @@ TREE_SETS = ("config", "papers", "tuned")
 BUDGET_REASON = ("time budget spent: rerun the same command to continue (measured rows "
                  "are kept)")
 
-# The papers' GPU trees (EAGLE-2 / Jakiro: top_k 10, depth 5, 60 nodes; Gumiho: top_k 14,
-# depth 6, 64 nodes, 35 MLP children and 35 kept per level; Jakiro*: its default choices).
-PAPERS_TREES = {"eagle2": dict(top_k=10, depth=5, total_tokens=60),
-                "jakiro": dict(top_k=10, depth=5, total_tokens=60),
-                "gumiho": dict(top_k=14, depth=6, total_tokens=64)}
-PAPERS_GUMIHO_OPTIONS = dict(mlp_topk=35, pruning=35)
 
 # Target shapes for `scale` (LlamaConfig fields).
 SCALE_PRESETS = {
@@ -291,7 +285,7 @@ def decode_loop_fn(config, steps: int, with_forward: bool, stop_ids: tuple[int, 
 
   from jakiro_jax.models.kv_cache import causal_mask
   from jakiro_jax.models.llama import Llama
-  from jakiro_jax.spec.autoregressive import is_stop_token
+  from jakiro_jax.speculative.autoregressive import is_stop_token
 
   model = Llama(config)
 
@@ -388,7 +382,7 @@ def ar_decode(get_target: Callable[[str], Any], settings: Mapping, *,
 def load_questions(questions_dir: str, n: int) -> dict[str, list[str]]:
   """First user turns of the first `n` questions of every `*.jsonl` in `questions_dir`,
   by file stem (sorted)."""
-  from jakiro_jax.spec.benchmark import read_questions
+  from launch.lib.benchmark import read_questions
 
   if not os.path.isdir(questions_dir):
     raise FileNotFoundError(
@@ -403,23 +397,19 @@ def load_questions(questions_dir: str, n: int) -> dict[str, list[str]]:
 
 
 def tree_choice(config, method: str, tree_set: str):
-  """(TreeConfig, drafter options) of `method` in tree set "config" or "papers"."""
-  from jakiro_jax.spec.benchmark import tree_and_options
-  from jakiro_jax.spec.static_tree import JAKIRO_STAR_CHOICES, normalize_choices
-  from jakiro_jax.spec.tree import TreeConfig
+  """(TreeConfig or None, drafter options) of `method` in tree set "config" or "papers"
+  (the method's `papers_tree`)."""
+  from jakiro_jax.drafts import registry
+  from launch.lib.benchmark import tree_and_options
 
+  cls = registry.get(method)
   tree, options = tree_and_options(config, method)
-  if tree_set == "config":
-    return tree, options
-  if tree_set != "papers":
+  if tree_set == "papers":
+    tree, papers_options = cls.papers_tree()
+    options = dict(options, **papers_options)
+  elif tree_set != "config":
     raise ValueError(f"no fixed trees for tree set {tree_set!r}")
-  if method == "jakiro_star":
-    from jakiro_jax.spec.static_tree import static_tree
-    choices = normalize_choices(JAKIRO_STAR_CHOICES)
-    return static_tree(choices).tree_config(), dict(options, choices=choices)
-  if method == "gumiho":
-    options = dict(options, **PAPERS_GUMIHO_OPTIONS)
-  return TreeConfig(**PAPERS_TREES[method]), options
+  return cls.tree_for(tree, options), options
 
 
 def speculative_settings(size: str, config, methods: Sequence[str], questions_dir: str,
@@ -468,7 +458,7 @@ def _flat_prompts(prompts: Mapping[str, Sequence[Sequence[int]]]):
 def _ar_runs(section: Section, key: str, target, prompts, settings, sampling) -> dict:
   """The AR baseline (outputs, seconds per prompt) of `key`, measured once per section and
   kept in its extra (so a resumed run compares against the same runs)."""
-  from jakiro_jax.spec.benchmark import ar_baseline
+  from launch.lib.benchmark import ar_baseline
   stored = section.extra.setdefault("ar", {})
   if key not in stored:
     ar = ar_baseline(target, prompts, settings["max_new_tokens"], sampling, settings["seed"])
@@ -486,8 +476,8 @@ def spec_unit_row(target, drafter, params, prompts: Mapping, ar_runs: Mapping, s
   """Speculative runs of every prompt (batch 1) against the stored AR runs: pooled fields
   (`benchmark.spec_fields`), per file, and the round's draft/verify split at the pooled
   mean context length."""
-  from jakiro_jax.spec.benchmark import ar_summary, spec_fields, spec_runs
-  from jakiro_jax.spec.round_timing import round_split
+  from launch.lib.benchmark import ar_summary, spec_fields, spec_runs
+  from jakiro_jax.speculative.round_timing import round_split
 
   files, flat = _flat_prompts(prompts)
   runs = spec_runs(target, drafter, params, flat, settings["max_new_tokens"], sampling,
@@ -513,7 +503,7 @@ def spec_unit_row(target, drafter, params, prompts: Mapping, ar_runs: Mapping, s
 def next_token_logits(target, tokens: Sequence[int]) -> np.ndarray:
   """The target's logits `[V]` for the token after `tokens`: the AR loop's `prefill` over
   the prefix, padded to its prompt bucket (one compilation per bucket)."""
-  from jakiro_jax.spec.batching import prompt_bucket
+  from jakiro_jax.speculative.batching import prompt_bucket
   length = prompt_bucket(len(tokens))
   padded = np.pad(np.asarray(tokens, np.int32), (0, length - len(tokens)))[None]
   return np.asarray(_prefill_logits_fn(target.config)(
@@ -525,7 +515,7 @@ def _prefill_logits_fn(config):
   import jax
 
   from jakiro_jax.models.llama import Llama, new_cache
-  from jakiro_jax.spec.autoregressive import prefill
+  from jakiro_jax.speculative.autoregressive import prefill
 
   model = Llama(config)
   return jax.jit(lambda params, tokens, lengths: prefill(
@@ -561,9 +551,9 @@ def speculative(get_target: Callable[[str], Any], config, prompts: Mapping[str, 
   greedy check. `tune_tree_fn` replaces `tree_tuning.tune_tree` (tests)."""
   from tqdm import tqdm
 
-  from jakiro_jax.spec.benchmark import resolve_draft
-  from jakiro_jax.spec.sampling import SamplingConfig
-  from jakiro_jax.spec.tree import TreeConfig
+  from launch.lib.benchmark import resolve_draft
+  from jakiro_jax.speculative.sampling import SamplingConfig
+  from jakiro_jax.speculative.tree import TreeConfig
 
   section = Section("speculative", settings, previous, checkpoint, budget)
   for unit, reason in settings["not_measured"]:
@@ -574,7 +564,7 @@ def speculative(get_target: Callable[[str], Any], config, prompts: Mapping[str, 
   files, flat = _flat_prompts(prompts)
   draft = settings.get("draft")
   if tune_tree_fn is None:
-    from jakiro_jax.spec.tree_tuning import tune_tree as tune_tree_fn
+    from jakiro_jax.speculative.tree_tuning import tune_tree as tune_tree_fn
 
   def run_unit(tree_set, temperature, method):
     sampling = SamplingConfig(temperature=float(temperature))
@@ -582,11 +572,14 @@ def speculative(get_target: Callable[[str], Any], config, prompts: Mapping[str, 
     extra = {"tree_set": tree_set, "temperature": temperature, "method": method}
     if tree_set == "tuned":
       kwargs = {"draft": draft} if draft else {}
-      result = tune_tree_fn(target, method, sampling=sampling, progress=progress, **kwargs)
+      base_tree, base_options = tree_choice(config, method, "config")
+      loaded = resolve_draft(target, method, draft, base_tree, settings["seed"], base_options)
+      result = tune_tree_fn(target, method, sampling=sampling, progress=progress,
+                            loaded=loaded, **kwargs)
       extra["tuning"] = result.to_json()
       extra["tuning_cached"] = bool(getattr(result, "cached", False))
       if result.choice is None:  # decoding would be the AR loop itself: speedup 1
-        from jakiro_jax.spec.benchmark import ar_summary
+        from launch.lib.benchmark import ar_summary
         rate = ar_summary(ar_runs["outputs"], ar_runs["seconds"])["ar_tokens_per_s"]
         return dict(extra, ar_chosen=True, ar_tokens_per_s=rate, tokens_per_s=rate,
                     speedup=1.0, n_prompts=len(flat))
@@ -645,9 +638,9 @@ def speculative(get_target: Callable[[str], Any], config, prompts: Mapping[str, 
 def _bf16_check(section: Section, get_target, prompts, settings, method: str, draft) -> dict:
   """Greedy outputs of `method` (config tree) against the AR loop, both in bf16; for each
   divergence the target's top-2 logit gap at the first differing position."""
-  from jakiro_jax.spec.benchmark import resolve_draft, spec_runs
-  from jakiro_jax.spec.sampling import SamplingConfig
-  from jakiro_jax.spec.tree import TreeConfig
+  from launch.lib.benchmark import resolve_draft, spec_runs
+  from jakiro_jax.speculative.sampling import SamplingConfig
+  from jakiro_jax.speculative.tree import TreeConfig
 
   target = get_target("bfloat16")
   files, flat = _flat_prompts(prompts)
@@ -735,8 +728,8 @@ def peers(get_target: Callable[[str], Any], prompts: Mapping[str, Sequence],
   from tqdm import tqdm
 
   from jakiro_jax.models.hf_reference import hf_greedy_generate, torch_model_from_target
-  from jakiro_jax.spec.benchmark import ar_baseline, ar_summary
-  from jakiro_jax.spec.sampling import SamplingConfig
+  from launch.lib.benchmark import ar_baseline, ar_summary
+  from jakiro_jax.speculative.sampling import SamplingConfig
 
   section = Section("peers", settings, previous, checkpoint, budget)
   target = get_target("float32")
@@ -904,10 +897,11 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
   from tqdm import tqdm
 
   from jakiro_jax.drafts import make_drafter
+  from jakiro_jax.drafts.base import TargetHead
   from jakiro_jax.models.kv_cache import causal_mask
   from jakiro_jax.models.llama import init_params, new_cache
-  from jakiro_jax.spec.batching import round_up
-  from jakiro_jax.spec.tree import TreeConfig
+  from jakiro_jax.speculative.batching import round_up
+  from jakiro_jax.speculative.tree import TreeConfig
 
   section = Section("scale", settings, previous, checkpoint, budget)
   if settings.get("note"):
@@ -959,9 +953,10 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
     def draft_forward(dparams, tparams, tokens, features, cache):
       lengths = cache.lengths
       positions = jnp.broadcast_to(lengths[:, None], tokens.shape)  # one tree level
-      hidden, cache = drafter.forward(dparams, tparams, tokens, features, positions, cache,
+      head = TargetHead.of(cfg, tparams)
+      hidden, cache = drafter.forward(dparams, head, tokens, features, positions, cache,
                                       causal_mask(lengths, k, cache.max_len))
-      top = jax.lax.top_k(drafter.log_probs(tparams, hidden), tree.top_k)
+      top = jax.lax.top_k(drafter.log_probs(head, hidden), tree.top_k)
       return top, cache.replace(lengths=lengths)
 
     box = {"cache": drafter.new_cache(1, slots).replace(lengths=jnp.array([context], jnp.int32))}

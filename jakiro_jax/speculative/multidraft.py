@@ -48,9 +48,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.spec.sampling import SamplingConfig, target_probs
-from jakiro_jax.spec.tree import Tree
-from jakiro_jax.spec.verify import Acceptance, acceptance
+from jakiro_jax.speculative.sampling import SamplingConfig, target_probs
+from jakiro_jax.speculative.tree import Tree
+from jakiro_jax.speculative.verify import Acceptance, acceptance
 
 
 @flax.struct.dataclass

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jakiro_jax.models.kv_cache import KVCache
-from jakiro_jax.spec.sampling import SamplingConfig, target_probs
-from jakiro_jax.spec.tree import Tree
+from jakiro_jax.speculative.sampling import SamplingConfig, target_probs
+from jakiro_jax.speculative.tree import Tree
 
 
 @flax.struct.dataclass

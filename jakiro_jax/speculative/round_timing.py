@@ -13,10 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.models.kv_cache import causal_mask, tree_mask
+from jakiro_jax.drafts.base import TargetHead
+from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.models.llama import Llama, new_cache
-from jakiro_jax.spec.generate import check_draft_fits, draft_context, draft_tree
-from jakiro_jax.spec.sampling import SamplingConfig
+from jakiro_jax.speculative.generate import (check_draft_fits, draft_context, draft_tree,
+                                             verify_tree)
+from jakiro_jax.speculative.sampling import SamplingConfig
 
 
 def median_ms(fn, repeats: int = 7, warmup: int = 2) -> float:
@@ -80,9 +82,10 @@ def round_split(target, drafter, draft_params, context_len: int,
     tokens = jnp.ones((1, width), jnp.int32)
     features = jnp.zeros((1, width, target.config.hidden_size), target.config.dtype)
     count = jnp.array([width], jnp.int32)
-    root_hidden, cache = draft_context(drafter, draft_params, target_params, tokens,
-                                       features, count, cache)
-    tree, _ = draft_tree(drafter, draft_params, target_params, root_hidden, tokens[:, 0],
+    head = TargetHead.of(target.config, target_params)
+    root_hidden, cache = draft_context(drafter, draft_params, head, tokens, features, count,
+                                       cache)
+    tree, _ = draft_tree(drafter, draft_params, head, root_hidden, tokens[:, 0],
                          cache.replace(lengths=lengths), sampling)
     return tree
 
@@ -93,11 +96,9 @@ def round_split(target, drafter, draft_params, context_len: int,
   model = Llama(target.config)
 
   def verify_part(target_params, tree, cache):
-    visible, plan = drafter.verification_plan(tree)
-    mask = tree_mask(cache.lengths, visible, cache.max_len)
-    logits, _, _ = model.apply(target_params, tree.tokens, cache.lengths[:, None] + tree.depth,
-                               cache, mask)
-    return drafter.accept(tree, plan, logits, sampling, jax.random.PRNGKey(0)).path
+    result, _, _ = verify_tree(model, target_params, drafter, tree, cache, sampling,
+                               jax.random.PRNGKey(0))
+    return result.path
 
   target_cache = new_cache(target.config, 1, max_len).replace(lengths=lengths)
   draft_ms = median_ms(lambda: draft_jit(draft_params, target.params, draft_cache))

@@ -22,7 +22,7 @@ import functools
 
 import numpy as np
 
-from jakiro_jax.spec.tree import TreeConfig
+from jakiro_jax.speculative.tree import TreeConfig
 
 # Jakiro*'s tree (the original's redefinition of EAGLE-1's `mc_sim_7b_63`): 26 nodes with
 # level sizes 4, 8, 8, 3, 2, 1; 4, 4, 1, 1, 1 of levels 1..5 are expanded.

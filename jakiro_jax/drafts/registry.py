@@ -1,0 +1,162 @@
+"""The one place that knows which draft methods exist.
+
+A method is a drafter class (`drafts/base.py`: `Drafter`) in its own module. Methods of
+this package are listed in `BUILTIN`, one line each, imported on first use; methods of
+other packages register under the `jakiro_jax.drafters` entry-point group of their
+package metadata (`name = "package.module:DrafterClass"`), or at run time with
+`register`. Everything that needs a method by name (make_drafter, training, export and
+import, the launchers) comes through here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from importlib import metadata
+from typing import Mapping
+
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.speculative.tree import TreeConfig
+
+ENTRY_POINT_GROUP = "jakiro_jax.drafters"
+
+BUILTIN = {
+    "eagle2": "jakiro_jax.drafts.eagle2:Eagle2Drafter",
+    "jakiro": "jakiro_jax.drafts.jakiro:JakiroDrafter",
+    "jakiro_star": "jakiro_jax.drafts.jakiro_star:JakiroStarDrafter",
+}
+DEFAULT_METHOD = "eagle2"  # what a training config trains unless it says otherwise
+
+_registered: dict[str, type] = {}
+
+
+def _load(target: str) -> type:
+  module, _, attr = target.partition(":")
+  return getattr(importlib.import_module(module), attr)
+
+
+def _plugins() -> dict[str, metadata.EntryPoint]:
+  return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def names() -> tuple[str, ...]:
+  """Every registered method name, built-ins first (nothing is imported)."""
+  plugins = sorted(n for n in _plugins() if n not in BUILTIN)
+  extra = sorted(n for n in _registered if n not in BUILTIN and n not in plugins)
+  return tuple(BUILTIN) + tuple(plugins) + tuple(extra)
+
+
+def register(cls: type) -> type:
+  """Registers a drafter class under its `name` (also usable as a class decorator)."""
+  if not getattr(cls, "name", ""):
+    raise ValueError(f"{cls!r} has no `name`")
+  _registered[cls.name] = cls
+  return cls
+
+
+def get(name: str) -> type:
+  """The drafter class of method `name`."""
+  if name not in _registered:
+    if name in BUILTIN:
+      _registered[name] = _load(BUILTIN[name])
+    else:
+      plugins = _plugins()
+      if name not in plugins:
+        raise ValueError(f"unknown draft method {name!r}; available: {sorted(names())}")
+      _registered[name] = plugins[name].load()
+  return _registered[name]
+
+
+def all_classes() -> list[type]:
+  return [get(name) for name in names()]
+
+
+def make_drafter(method: str, target_config: LlamaConfig, tree: TreeConfig | None = None,
+                 **options):
+  """The drafter of `method`; tree None = the method's default (Jakiro*: from its
+  choices). Options the method does not have, a bad draft vocabulary and widths above
+  the vocabulary are ValueErrors naming the problem."""
+  from jakiro_jax.drafts.base import check_options
+
+  cls = get(method)
+  check_options(cls, options)
+  vocab = options.get("draft_vocab")
+  if vocab:
+    vocab = tuple(int(i) for i in vocab)
+    if (list(vocab) != sorted(set(vocab)) or vocab[0] < 0
+        or vocab[-1] >= target_config.vocab_size):
+      raise ValueError(f"draft_vocab must be ascending distinct token ids in "
+                       f"[0, {target_config.vocab_size}); got {len(vocab)} ids from "
+                       f"{min(vocab)} to {max(vocab)}")
+    options = dict(options, draft_vocab=vocab)
+  drafter = cls(target_config, **({} if tree is None else {"tree": tree}), **options)
+  if vocab and len(vocab) < drafter.tree.top_k:
+    raise ValueError(f"draft_vocab holds {len(vocab)} tokens, fewer than "
+                     f"top_k={drafter.tree.top_k}")
+  widths = {"top_k": drafter.tree.top_k, "mlp_topk": getattr(drafter, "mlp_topk", 0)}
+  for name, width in widths.items():  # lax.top_k would fail deep inside the jitted loop
+    if width > target_config.vocab_size:
+      raise ValueError(f"{name}={width} exceeds the target's vocabulary of "
+                       f"{target_config.vocab_size} tokens")
+  return drafter
+
+
+def config_block(config, method: str) -> dict:
+  """The draft block of `method` in a config (`config.drafts.<method>`; absent = {}, the
+  method's defaults).
+
+  The one schema every config uses (bench, eval_suite, generate, train): `drafts` maps
+  method names to blocks; a block holds `tree` (top_k, depth, total_tokens; absent = the
+  method's default) and the method's own options by name.
+  """
+  drafts = config.get("drafts") if hasattr(config, "get") else None
+  block = drafts.get(method) if drafts is not None else None
+  if block is None:
+    return {}
+  return block.to_dict() if hasattr(block, "to_dict") else dict(block)
+
+
+def split_block(block: Mapping | None) -> tuple[TreeConfig | None, dict]:
+  """A draft block -> (tree or None, drafter options)."""
+  options = dict(block or {})
+  tree = options.pop("tree", None)
+  if tree is not None:
+    tree = TreeConfig(**dict(tree))
+  return tree, options
+
+
+def drafter_from_config(config, method: str, target_config: LlamaConfig, **overrides):
+  """`make_drafter` from the config's block for `method` (`config_block`); `overrides`
+  replace options (None values are ignored)."""
+  tree, options = split_block(config_block(config, method))
+  options.update({k: v for k, v in overrides.items() if v is not None})
+  return make_drafter(method, target_config, tree, **options)
+
+
+def has_params(method: str, target_config: LlamaConfig) -> bool:
+  """Whether `method`'s drafter has parameters (something to train, save and load)."""
+  import jax
+
+  drafter = make_drafter(method, target_config)
+  return bool(jax.tree.leaves(jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0))))
+
+
+def inference_options(method: str) -> tuple[str, ...]:
+  """Options of `method` that may change at load time (they are not learnt)."""
+  return tuple(get(method).inference_options)
+
+
+def guess_method(state: Mapping) -> str | None:
+  """Which original layout a state dict has, from its names (None if none fits)."""
+  layouts = [(cls.torch_layout.guess_priority, cls.name, cls) for cls in all_classes()
+             if cls.torch_layout is not None]
+  for _, name, cls in sorted(layouts, key=lambda x: -x[0]):
+    if cls.torch_layout.recognizes(state):
+      return name
+  return None
+
+
+def option_fields(drafter) -> dict:
+  """The drafter's options (every field but the target config and the tree)."""
+  return {f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)
+          if f.name not in ("target_config", "tree")}

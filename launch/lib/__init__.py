@@ -1,0 +1,1 @@
+"""Application code of the launchers: benchmark runs and reports, the device report."""
