@@ -24,6 +24,7 @@ BUILTIN = {
     "eagle2": "jakiro_jax.drafts.eagle2:Eagle2Drafter",
     "jakiro": "jakiro_jax.drafts.jakiro:JakiroDrafter",
     "jakiro_star": "jakiro_jax.drafts.jakiro_star:JakiroStarDrafter",
+    "lookup": "jakiro_jax.drafts.lookup:LookupDrafter",
 }
 DEFAULT_METHOD = "eagle2"  # what a training config trains unless it says otherwise
 

@@ -1,0 +1,166 @@
+"""Prompt lookup (n-gram) drafting: no parameters, no training.
+
+Axis letters: B batch, S history slots, K proposed tokens.
+
+The draft cache is the token history: slot p holds x_{p+1}, the token of draft pair p, so
+after a round the last committed slot holds the root. A round matches the last n tokens
+(the root included) against every earlier place in the prompt and the text so far, for n
+from `max_ngram` down to `min_ngram`, takes the most recent match of the longest n, and
+proposes the K tokens that followed it as a chain. Where the continuation runs into the
+present, it repeats with the period of the match (a loop "a b c a b" goes on "c a b ...").
+Without any match it proposes the root K times (rejected at once, still exact).
+
+The proposal is deterministic, so the engine's verifier (`speculative/verify.py`) keeps
+greedy output identical to the target's and sampled output distributed exactly as the
+target's. Users of transformers and vLLM know this as prompt lookup / n-gram speculation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jakiro_jax.drafts.base import RoundInputs
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.speculative.tree import Tree, TreeConfig
+from jakiro_jax.speculative.verify import accept
+
+
+@flax.struct.dataclass
+class TokenHistory:
+  """The lookup drafter's cache: committed tokens per row."""
+  tokens: jax.Array  # [B, S] int32; slot p holds x_{p+1}
+  lengths: jax.Array  # [B] valid slots
+
+  @property
+  def max_len(self) -> int:
+    return self.tokens.shape[1]
+
+
+def chain_tree(root: jax.Array, proposal: jax.Array) -> Tree:
+  """root `[B]`, proposal `[B, K]` -> the chain root -> proposal[0] -> ... as a `Tree`."""
+  batch, k = proposal.shape
+  n = k + 1
+  return Tree(
+      tokens=jnp.concatenate([root[:, None], proposal], axis=1).astype(jnp.int32),
+      parent=jnp.broadcast_to(jnp.arange(-1, k, dtype=jnp.int32), (batch, n)),
+      depth=jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n)),
+      ancestor=jnp.broadcast_to(jnp.asarray(np.tri(n, dtype=bool)), (batch, n, n)),
+      score=jnp.zeros((batch, n), jnp.float32))
+
+
+def lookup_proposal(history: jax.Array, lengths: jax.Array, num_tokens: int, max_ngram: int,
+                    min_ngram: int) -> jax.Array:
+  """history `[B, S]`, lengths `[B]` -> the K tokens `[B, K]` after the most recent
+  earlier occurrence of the longest matching suffix n-gram (see the module docstring)."""
+  batch, slots = history.shape
+  rows = jnp.arange(batch)
+  position = jnp.arange(slots)[None]  # [1, S]
+  last = lengths - 1  # the root's slot
+  match_end = jnp.full((batch,), -1, jnp.int32)
+  for n in range(max_ngram, min_ngram - 1, -1):
+    # an n-gram ending at slot j (j < last) equal to the one ending at the root
+    match = (position >= n - 1) & (position < last[:, None]) & (lengths[:, None] >= n)
+    for i in range(n):
+      query = history[rows, jnp.maximum(last - i, 0)]  # [B]
+      earlier = jnp.roll(history, i, axis=1)  # earlier[:, j] = history[:, j - i]
+      match &= earlier == query[:, None]
+    found = jnp.max(jnp.where(match, position, -1), axis=1).astype(jnp.int32)
+    match_end = jnp.where(match_end >= 0, match_end, found)
+  period = jnp.where(match_end >= 0, last - match_end, 1)  # no match: repeat the root
+  start = jnp.where(match_end >= 0, match_end + 1, last)
+  offsets = jnp.arange(num_tokens)[None] % period[:, None]  # [B, K]
+  return history[rows[:, None], start[:, None] + offsets].astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupDrafter:
+  """Proposes `num_tokens` tokens per round by n-gram lookup (`max_ngram` .. `min_ngram`).
+  Its tree is the chain of `num_tokens` nodes (leave `tree` None)."""
+  target_config: LlamaConfig
+  tree: Any = None
+  num_tokens: int = 5
+  max_ngram: int = 3
+  min_ngram: int = 1
+
+  name: ClassVar[str] = "lookup"
+  inference_options: ClassVar[tuple[str, ...]] = ("num_tokens", "max_ngram", "min_ngram")
+  torch_layout: ClassVar[Any] = None
+  derives_tree: ClassVar[bool] = True
+
+  def __post_init__(self):
+    if self.num_tokens < 1 or not 1 <= self.min_ngram <= self.max_ngram:
+      raise ValueError(f"lookup needs num_tokens >= 1 and 1 <= min_ngram <= max_ngram; got "
+                       f"num_tokens={self.num_tokens}, min_ngram={self.min_ngram}, "
+                       f"max_ngram={self.max_ngram}")
+    expected = self.tree_for(None, {"num_tokens": self.num_tokens})
+    if self.tree is None:
+      object.__setattr__(self, "tree", expected)
+    elif self.tree != expected:
+      raise ValueError(f"lookup drafts a chain of num_tokens={self.num_tokens} nodes, that is "
+                       f"{expected}; got {self.tree} (pass tree=None)")
+
+  @classmethod
+  def tree_for(cls, tree, options) -> TreeConfig:
+    k = int(options.get("num_tokens", cls.num_tokens))
+    return TreeConfig(top_k=1, depth=k - 1, total_tokens=k + 1)
+
+  @classmethod
+  def papers_tree(cls):
+    return None, {"num_tokens": 10}  # transformers' prompt_lookup_num_tokens default
+
+  def tree_grid(self):
+    return [(None, {"num_tokens": k}) for k in (1, 2, 3, 5, 8, 10)]
+
+  # Parameters and caches: none but the token history.
+  def init_params(self, rng):
+    return {}
+
+  def init_boxed(self, rng):
+    return {}
+
+  def new_cache(self, batch: int, max_len: int) -> TokenHistory:
+    return TokenHistory(jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+  def extra_cache_slots(self) -> int:
+    return self.tree.max_path
+
+  def forward(self, params, head, tokens, features, positions, cache: TokenHistory, mask):
+    """Writes tokens `[B, T]` at slots lengths + t; the output is empty `[B, T, 0]`."""
+    batch, num_new = tokens.shape
+    slots = cache.lengths[:, None] + jnp.arange(num_new)[None]
+    history = cache.tokens.at[jnp.arange(batch)[:, None], slots].set(tokens, mode="drop")
+    return jnp.zeros((batch, num_new, 0), jnp.float32), cache.replace(tokens=history)
+
+  def carry(self, output):
+    return output
+
+  def draft(self, inputs: RoundInputs) -> Tree:
+    cache = inputs.cache
+    proposal = lookup_proposal(cache.tokens, cache.lengths, self.num_tokens, self.max_ngram,
+                               self.min_ngram)
+    return chain_tree(inputs.root, proposal)
+
+  def verification_plan(self, tree: Tree):
+    return tree.ancestor, None
+
+  def accept(self, tree: Tree, plan, logits, sampling, rng):
+    return accept(tree, logits, sampling, rng, self.tree.max_path)
+
+  def draft_forwards_per_round(self) -> int:
+    return 0
+
+  # Nothing to train or validate.
+  def loss_phase(self, settings, epoch: int):
+    return settings
+
+  def objective(self, params, head, batch, epoch, settings):
+    raise ValueError("prompt lookup has no parameters to train")
+
+  def validation_chain(self, params, head, input_ids, features):
+    raise ValueError("prompt lookup has no parameters to validate")

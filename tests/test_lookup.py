@@ -1,0 +1,106 @@
+"""Prompt lookup (n-gram) drafting: the proposal rule, its chain, exactness, the CLI."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_prompts, tiny_hf_model
+from jakiro_jax.drafts import make_drafter, registry
+from jakiro_jax.drafts.lookup import LookupDrafter, lookup_proposal
+from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.generate import generate
+from jakiro_jax.speculative.sampling import SamplingConfig
+from jakiro_jax.speculative.tree import TreeConfig
+from jakiro_jax.target import target_from_torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def target():
+  return dataclasses.replace(target_from_torch(tiny_hf_model(seed=3)), stop_ids=())
+
+
+def test_proposal_by_hand():
+  history = jnp.array([[5, 6, 7, 8, 9, 1, 2, 5, 6, 0, 0, 0],   # "5 6" seen before
+                       [1, 2, 3, 1, 2, 3, 1, 2, 0, 0, 0, 0],   # a loop of period 3
+                       [4, 4, 4, 9, 0, 0, 0, 0, 0, 0, 0, 0],   # 9 never seen: no match
+                       [7, 1, 2, 7, 3, 1, 2, 0, 0, 0, 0, 0]])  # "1 2" twice: the later one
+  lengths = jnp.array([9, 8, 4, 7])
+  got = lookup_proposal(history, lengths, num_tokens=5, max_ngram=3, min_ngram=1)
+  np.testing.assert_array_equal(got, [[7, 8, 9, 1, 2],
+                                      [3, 1, 2, 3, 1],
+                                      [9, 9, 9, 9, 9],
+                                      [7, 3, 1, 2, 7]])
+  # the longest n-gram wins over a more recent shorter one
+  history = jnp.array([[1, 2, 3, 8, 3, 9, 2, 3, 0]])
+  got = lookup_proposal(history, jnp.array([8]), 2, max_ngram=2, min_ngram=1)
+  np.testing.assert_array_equal(got, [[8, 3]])  # "2 3" at slots 1-2, not "3" at slot 4
+  got = lookup_proposal(history, jnp.array([8]), 2, max_ngram=1, min_ngram=1)
+  np.testing.assert_array_equal(got, [[9, 2]])  # unigrams only: the most recent "3"
+
+
+def test_the_tree_is_a_chain_of_num_tokens(target):
+  drafter = make_drafter("lookup", target.config, num_tokens=4)
+  assert drafter.tree == TreeConfig(top_k=1, depth=3, total_tokens=5)
+  assert drafter.draft_forwards_per_round() == 0
+  assert not registry.has_params("lookup", target.config)
+  cache = drafter.new_cache(1, 16)
+  _, cache = drafter.forward({}, None, jnp.array([[3, 4, 5, 3, 4]]), None, None, cache, None)
+  cache = cache.replace(lengths=jnp.array([5]))
+  from jakiro_jax.drafts.base import RoundInputs
+  tree = drafter.draft(RoundInputs({}, None, None, jnp.array([4]), cache, None,
+                                   SamplingConfig(), jax.random.PRNGKey(0)))
+  np.testing.assert_array_equal(tree.tokens, [[4, 5, 3, 4, 5]])  # "3 4" -> 5 3 4 5
+  np.testing.assert_array_equal(tree.parent, [[-1, 0, 1, 2, 3]])
+  np.testing.assert_array_equal(tree.depth, [[0, 1, 2, 3, 4]])
+  np.testing.assert_array_equal(tree.ancestor[0], np.tri(5, dtype=bool))
+
+
+def test_bad_options_are_refused(target):
+  with pytest.raises(ValueError, match="1 <= min_ngram <= max_ngram"):
+    make_drafter("lookup", target.config, min_ngram=3, max_ngram=2)
+  with pytest.raises(ValueError, match="num_tokens >= 1"):
+    make_drafter("lookup", target.config, num_tokens=0)
+  with pytest.raises(ValueError, match="lookup drafts a chain of num_tokens=5"):
+    LookupDrafter(target.config, TreeConfig(top_k=2, depth=2, total_tokens=5))
+  with pytest.raises(ValueError, match="no parameters to train"):
+    make_drafter("lookup", target.config).objective({}, None, None, 0, None)
+  from jakiro_jax.export.reference_dir import default_formats
+  with pytest.raises(ValueError, match="'lookup' has no PyTorch layout"):
+    default_formats("lookup")
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_and_seeded_sampling_match_the_ar_loop(target, batch):
+  rng = np.random.RandomState(7)
+  prompts = [p + p[:6] + p for p in random_prompts(rng, 97, [8, 12, 5][:batch])]
+  drafter = make_drafter("lookup", target.config, num_tokens=4, max_ngram=2)
+  spec = generate(target, drafter, {}, prompts, max_new_tokens=24)
+  assert spec.tokens == generate_ar(target, prompts, max_new_tokens=24).tokens
+  assert spec.tau > 1.0  # the repeats in the prompts are found and accepted
+  # sampling: distributed as the target (tests/test_sampling_lossless.py); here it runs
+  sampled = generate(target, drafter, {}, prompts, max_new_tokens=24,
+                     sampling=SamplingConfig(temperature=1.0), seed=1)
+  assert [len(t) for t in sampled.tokens] == [24] * batch
+
+
+def test_generate_cli_runs_lookup_without_a_draft(tmp_path):
+  from jakiro_jax.models.convert import write_hf_dir
+  target = target_from_torch(tiny_hf_model(seed=3))
+  write_hf_dir(target.config, target.params, tmp_path / "target")
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.generate", "--config=configs/smollm2_135m.py",
+       f"--config.target={tmp_path / 'target'}", "--method=lookup", "--tree=config",
+       "--prompt_ids=5,6,7,8,5,6,7,8,5,6", "--max_new_tokens=12"],
+      capture_output=True, text=True, cwd=REPO, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  last = proc.stdout.strip().splitlines()[-1]
+  assert last.startswith("method=lookup") and "tau=" in last and "speedup=" in last
