@@ -14,6 +14,7 @@ OUT/draft (`jakiro_jax.drafts.io.load_draft`, `launch.bench --draft=OUT/draft`).
 
 from __future__ import annotations
 
+import logging as std_logging
 import sys
 
 from absl import app, flags, logging
@@ -36,6 +37,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
     logging.set_verbosity(logging.WARNING)
+    # ... but the trainer's own lines (run, steps, validation) are what this command shows
+    std_logging.getLogger("jakiro_jax").setLevel(std_logging.INFO)
   from jakiro_jax.sharding import initialize_distributed
   from jakiro_jax.train.trainer import TrainInputError, train
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -50,6 +51,8 @@ from jakiro_jax.train.collate import (bucket_length, pad_rows, shift_for_trainin
 from jakiro_jax.train.data_order import DataOrder, split_rows
 from jakiro_jax.train.objectives import LossSettings
 from jakiro_jax.train.vocab_subset import frequent_tokens, head_matrix, save_subset
+
+log = logging.getLogger(__name__)
 
 
 class TrainInputError(ValueError):
@@ -240,7 +243,7 @@ class _Logs:
     if self.bar is not None and not self.bar.disable:
       self.bar.write(text, file=sys.stdout)
     else:
-      print(text, flush=True)
+      log.info(text)
 
   def record(self, kind: str, step: int, values: dict) -> None:
     if not self.writer:
@@ -382,6 +385,286 @@ def _train_line(step: int, total: int, values: dict) -> str:
           f"elapsed {values['elapsed_s']:.0f}s")
 
 
+def _run_config(config, max_steps: int | None):
+  """A checked copy of `config`, with `max_steps` (when given) as its num_steps."""
+  config = copy.deepcopy(config)
+  if max_steps is not None:
+    config.num_steps = int(max_steps)
+  _check_config(config)
+  return config
+
+
+def _prepare_out_dir(out_dir, resume: bool) -> str:
+  """The absolute output directory (not created here). Without `resume` a directory that
+  already holds a checkpoint is an error."""
+  from jakiro_jax.train.checkpoints import TrainCheckpoints
+
+  out_dir = os.path.abspath(os.fspath(out_dir))
+  checkpoints_dir = os.path.join(out_dir, "checkpoints")
+  if os.path.isdir(checkpoints_dir) and not resume:
+    existing = TrainCheckpoints(checkpoints_dir)
+    latest = existing.latest_step()
+    existing.close()
+    if latest is not None:
+      raise TrainInputError(f"{out_dir} already holds a training run (checkpoint at step "
+                       f"{latest}); pass --resume to continue it, or choose another --out")
+  return out_dir
+
+
+def _make_mesh_and_shardings(config):
+  """(mesh, replicated sharding, batch sharding, this process's rows of every batch) for
+  the config's mesh sizes; a batch the data x fsdp devices cannot split is an error."""
+  try:
+    mesh = sharding.make_mesh((config.mesh_data, config.mesh_fsdp, config.mesh_tensor))
+  except ValueError as e:
+    raise TrainInputError(f"config.mesh_data/mesh_fsdp/mesh_tensor: {e}") from None
+  batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+  if config.batch_size % batch_ways:
+    raise TrainInputError(f"batch_size {config.batch_size} is not divisible by the "
+                          f"{batch_ways} data x fsdp devices of the mesh {dict(mesh.shape)}")
+  batch_sharding = sharding.batch_sharding((config.batch_size,), mesh)
+  return (mesh, sharding.replicated(mesh), batch_sharding,
+          sharding.process_rows(batch_sharding, config.batch_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """A run's fixed pieces, placed on its mesh (`_place_run`)."""
+  config: Any  # the run's own checked copy
+  inputs: _Inputs
+  out_dir: str  # absolute
+  total_steps: int  # the schedule's length
+  fingerprint: dict  # the settings a resume must match (`_fingerprint`)
+  mesh: Any
+  replicated: Any  # the metrics' sharding
+  batch_sharding: Any  # batch rows over data x fsdp
+  host_rows: slice  # this process's rows of every batch (`sharding.process_rows`)
+  target_params: Any  # the frozen target, placed by the rule table
+  tx: Any
+  schedule: Any
+  abstract_state: Any  # shapes and dtypes of {params, opt_state, step, rng}
+  state_sharding: Any
+  is_writer: bool  # one host writes logs and files for all
+  multihost: bool
+
+
+def _place_run(config, inputs: _Inputs, out_dir: str) -> _Run:
+  """The run's schedule length, mesh and shardings, placed target, optimizer and the
+  train state's shapes and shardings."""
+  total_steps = config.num_steps or math.ceil(config.num_epochs * inputs.order.steps_per_epoch)
+  mesh, replicated, batch_sharding, host_rows = _make_mesh_and_shardings(config)
+  target_params = jax.device_put(inputs.target.params,
+                                 sharding.target_shardings(inputs.target.config, mesh))
+  tx, schedule = make_optimizer(config, total_steps)
+  abstract_state, state_sharding = train_state_shardings(inputs.drafter, tx, mesh)
+  return _Run(config=config, inputs=inputs, out_dir=out_dir, total_steps=total_steps,
+              fingerprint=_fingerprint(config, total_steps, len(inputs.train_rows)),
+              mesh=mesh, replicated=replicated, batch_sharding=batch_sharding,
+              host_rows=host_rows, target_params=target_params, tx=tx, schedule=schedule,
+              abstract_state=abstract_state, state_sharding=state_sharding,
+              is_writer=jax.process_index() == 0, multihost=jax.process_count() > 1)
+
+
+def _initial_state(drafter, tx, seed: int) -> dict:
+  """The train state {params, opt_state, step, rng} a run with this seed starts from."""
+  params = initial_params(drafter, seed)
+  return {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
+          "rng": step_key(seed)}
+
+
+def _start_state(run: _Run, checkpoints, resume: bool):
+  """(train state, vocab subset or None, first step): with `resume` the latest checkpoint
+  if there is one, else a fresh state at step 0. A subset the config asks for and the
+  checkpoint lacks is computed here (and saved for people)."""
+  config, inputs = run.config, run.inputs
+  start = checkpoints.latest_step() if resume else None
+  if start is None:
+    state = jax.jit(lambda: _initial_state(inputs.drafter, run.tx, config.seed),
+                    out_shardings=run.state_sharding)()
+    subset, start = None, 0
+  else:  # restored straight into this run's shards, whatever mesh saved it
+    abstract = jax.tree.map(
+        lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+        run.abstract_state, run.state_sharding)
+    state, subset = _restore(checkpoints, start, abstract, run.fingerprint, inputs.order)
+  if config.vocab_subset and subset is None:
+    # Computed once per run; saved with every checkpoint (and as a json for people).
+    subset = _token_subset(inputs.table, inputs.train_rows, inputs.target.config.vocab_size,
+                           config.vocab_subset, config.max_len)
+    if run.is_writer:
+      save_subset(run.out_dir, subset)
+  return state, subset, start
+
+
+def _make_heads(run: _Run, subset) -> tuple[TargetHead, TargetHead]:
+  """(full head, train head) on the mesh: the full one validates; the train one's lm_head
+  holds only the subset's rows (the full head itself without a subset)."""
+  target = run.inputs.target
+  tied = target.config.tie_word_embeddings
+
+  def place(matrix):
+    return jax.device_put(matrix, sharding.logical_sharding(sharding.HEAD_AXES,
+                                                            matrix.shape, run.mesh))
+
+  full_head = TargetHead(run.target_params["params"]["embed_tokens"]["embedding"],
+                         place(head_matrix(target.params, tied)))
+  train_head = (full_head if subset is None else full_head.replace(
+      lm_head=place(head_matrix(target.params, tied, subset))))
+  return full_head, train_head
+
+
+def _eval_batches(config, inputs: _Inputs) -> list:
+  """The padded validation batches (host arrays) of the first `eval_rows` validation rows."""
+  picked = [inputs.rows[int(i)] for i in inputs.val_rows[:max(config.eval_rows, 0)]]
+  return [pad_rows(picked[i:i + config.batch_size], config.batch_size, config.max_len,
+                   with_features=not config.online)
+          for i in range(0, len(picked), config.batch_size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+  """What the steps read besides the train state and the batches."""
+  settings: StepSettings  # before the drafter's loss phase (`_train_step_at`)
+  full_head: TargetHead  # validation's
+  train_head: TargetHead  # the loss's (the vocab subset's rows, if any)
+  subset: Any  # np.ndarray of the vocab subset's token ids, or None
+  eval_batches: list  # `_eval_batches`
+
+
+def _load_batch(run: _Run, step: int) -> dict:
+  """The step's padded batch; on several hosts only this host's rows, as global arrays."""
+  config, inputs = run.config, run.inputs
+  rows = inputs.order.batch_rows(step)
+  if not run.multihost:
+    return pad_rows([inputs.rows[int(i)] for i in rows], config.batch_size,
+                    config.max_len, with_features=not config.online)
+  # Every host pads to the same length: the bucket of the whole batch's longest row.
+  length = bucket_length(
+      max(int(np.minimum(inputs.row_lengths[rows], config.max_len).max()), 1),
+      config.max_len)
+  host_rows = run.host_rows
+  local = pad_rows([inputs.rows[int(i)] for i in rows[host_rows]],
+                   host_rows.stop - host_rows.start, config.max_len,
+                   with_features=not config.online, length=length)
+  return sharding.global_batch(local, run.batch_sharding, config.batch_size)
+
+
+def _train_step_at(run: _Run, steps: _Steps, compiled: dict, step: int):
+  """The jitted step of a step's phase (`drafter.loss_phase`; e.g. Gumiho compiles one
+  without and one with its MLP cross-entropy), most methods one; compiled once per phase
+  into `compiled`."""
+  settings = steps.settings
+  phase = dataclasses.replace(
+      settings, loss=run.inputs.drafter.loss_phase(settings.loss,
+                                                   run.inputs.order.position(step)[0]))
+  if phase not in compiled:
+    compiled[phase] = make_train_step(
+        run.inputs.drafter, phase, run.tx, run.schedule, run.state_sharding,
+        run.batch_sharding, jax.tree.map(lambda x: x.sharding, run.target_params),
+        jax.tree.map(lambda x: x.sharding, steps.train_head), run.replicated)
+  return compiled[phase]
+
+
+def _save_checkpoint(run: _Run, checkpoints, state, step: int, subset) -> None:
+  """Checkpoint `step`: the state and the meta a resume checks (position, settings)."""
+  epoch, index = run.inputs.order.position(step)
+  checkpoints.save(step, state, {
+      "step": step, "position": [epoch, index], "seed": run.config.seed,
+      "rng": [int(x) for x in np.asarray(jax.device_get(state["rng"]))],
+      "steps_per_epoch": run.inputs.order.steps_per_epoch, "settings": run.fingerprint,
+      "vocab_subset": None if subset is None else [int(i) for i in subset]})
+
+
+def _window_values(window_metrics: list, window_tokens: int, window_start: float,
+                   started: float, epoch: int) -> dict:
+  """The train record of a logging window: metrics averaged over its steps (lr the last
+  step's), throughput, elapsed time and epoch."""
+  fetched = jax.device_get(window_metrics)  # averaged over the window, lr the last
+  values = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]
+            if all(k in m for m in fetched)}  # Gumiho's phases log other terms
+  values["lr"] = float(fetched[-1]["lr"])
+  now = time.perf_counter()
+  values.update(tokens_per_s=window_tokens / (now - window_start),
+                steps_per_s=len(fetched) / (now - window_start),
+                elapsed_s=now - started, epoch=epoch)
+  return values
+
+
+def _run_line(run: _Run, subset, start: int) -> str:
+  """The line a run opens with: data, schedule, devices, features, head."""
+  config, inputs, mesh = run.config, run.inputs, run.mesh
+  return (f"{config.method} draft on {config.target}: {len(inputs.train_rows)} train / "
+          f"{len(inputs.val_rows)} validation rows, {inputs.order.steps_per_epoch} steps "
+          f"per epoch, {run.total_steps} steps, batch {config.batch_size} on "
+          f"{mesh.size} device(s) (mesh {dict(mesh.shape)}), "
+          f"{'online' if config.online else 'stored'} features, "
+          f"head {'full' if subset is None else f'{len(subset)} tokens'}"
+          + (f"; resumed at step {start}" if start else ""))
+
+
+def _eval_line(step: int, result: dict, seconds: float) -> str:
+  alphas = " ".join(f"{result[k]:.3f}" for k in result if k.startswith("alpha_"))
+  return (f"eval step {step} | alpha_k {alphas} | tau {result['tau']:.3f} | "
+          f"{result['starts']} starts | {seconds:.1f}s")
+
+
+def _train_loop(run: _Run, steps: _Steps, state, start: int, checkpoints, logs: _Logs,
+                say: Callable[[str], None], bar):
+  """Steps `start`..`total_steps - 1`: logs every `log_every`, saves every `save_every`
+  and validates every `eval_every` steps, all three after the last one.
+  -> (state, steps done, train records, validation records)."""
+  config, total_steps = run.config, run.total_steps
+  compiled = {}
+  history, evals = [], []
+  step, window_tokens, window_metrics = start, 0, []
+  started = window_start = time.perf_counter()
+  batch = _load_batch(run, step) if step < total_steps else None
+  while step < total_steps:
+    train_step = _train_step_at(run, steps, compiled, step)
+    state, metrics = train_step(state, batch, run.target_params, steps.train_head)
+    # real tokens, padding not counted (on several hosts: this host's rows only)
+    window_tokens += int(np.sum(sharding.local_values(batch["lengths"])))
+    window_metrics.append(metrics)  # device arrays: no host sync until the log line
+    step += 1
+    if step < total_steps:  # collate the next batch while the step runs
+      batch = _load_batch(run, step)
+    if step % config.log_every == 0 or step == total_steps:
+      values = _window_values(window_metrics, window_tokens, window_start, started,
+                              epoch=run.inputs.order.position(step - 1)[0])
+      history.append(dict(values, step=step))
+      logs.record("train", step, values)
+      say(_train_line(step, total_steps, values))
+      window_tokens, window_metrics, window_start = 0, [], time.perf_counter()
+    if step % config.save_every == 0 or step == total_steps:
+      _save_checkpoint(run, checkpoints, state, step, steps.subset)
+    if steps.eval_batches and ((config.eval_every and step % config.eval_every == 0)
+                               or step == total_steps):
+      eval_start = time.perf_counter()
+      result = _evaluate(steps.eval_batches, state["params"], run.target_params,
+                         steps.full_head, run.inputs.drafter, bool(config.online),
+                         run.batch_sharding)
+      eval_seconds = time.perf_counter() - eval_start
+      evals.append(dict(result, step=step))
+      logs.record("eval", step, result)
+      say(_eval_line(step, result, eval_seconds))
+      window_start += eval_seconds  # not training throughput
+    bar.update(1)
+  return state, step, history, evals
+
+
+def _export_draft(run: _Run, params, subset) -> None:
+  """Writes the final draft to OUT/draft (process 0 only)."""
+  from jakiro_jax.drafts.io import save_draft
+
+  drafter = run.inputs.drafter
+  if run.config.draft_vocab and subset is not None:  # cheaper draft forwards, still lossless
+    drafter = dataclasses.replace(drafter, draft_vocab=tuple(int(i) for i in subset))
+  if run.is_writer:
+    # The run's own output (a resumed run replaces the draft of its earlier part).
+    save_draft(os.path.join(run.out_dir, "draft"), drafter, params, dtype="float16",
+               overwrite=True)
+
+
 def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | None = None,
           progress: bool | None = None, log: Callable[[str], None] | None = None
           ) -> TrainResult:
@@ -393,182 +676,35 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
   """
   from tqdm import tqdm
 
-  from jakiro_jax.drafts.io import save_draft
   from jakiro_jax.train.checkpoints import TrainCheckpoints
 
-  config = copy.deepcopy(config)
-  if max_steps is not None:
-    config.num_steps = int(max_steps)
-  _check_config(config)
-  out_dir = os.path.abspath(os.fspath(out_dir))
-  checkpoints_dir = os.path.join(out_dir, "checkpoints")
-  if os.path.isdir(checkpoints_dir) and not resume:
-    existing = TrainCheckpoints(checkpoints_dir)
-    latest = existing.latest_step()
-    existing.close()
-    if latest is not None:
-      raise TrainInputError(f"{out_dir} already holds a training run (checkpoint at step "
-                       f"{latest}); pass --resume to continue it, or choose another --out")
+  config = _run_config(config, max_steps)
+  out_dir = _prepare_out_dir(out_dir, resume)
   inputs = _load_inputs(config, data_dir)
-  target, drafter, order = inputs.target, inputs.drafter, inputs.order
-  spe = order.steps_per_epoch
-  total_steps = config.num_steps or math.ceil(config.num_epochs * spe)
-
-  try:
-    mesh = sharding.make_mesh((config.mesh_data, config.mesh_fsdp, config.mesh_tensor))
-  except ValueError as e:
-    raise TrainInputError(f"config.mesh_data/mesh_fsdp/mesh_tensor: {e}") from None
-  batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
-  if config.batch_size % batch_ways:
-    raise TrainInputError(f"batch_size {config.batch_size} is not divisible by the "
-                          f"{batch_ways} data x fsdp devices of the mesh {dict(mesh.shape)}")
-  replicated = sharding.replicated(mesh)
-  batch_sharding = sharding.batch_sharding((config.batch_size,), mesh)
-  target_params = jax.device_put(target.params,
-                                 sharding.target_shardings(target.config, mesh))
-  tx, schedule = make_optimizer(config, total_steps)
-  abstract_state, state_sharding = train_state_shardings(drafter, tx, mesh)
-  is_writer = jax.process_index() == 0  # one host writes logs and files for all
-  multihost = jax.process_count() > 1
-
-  def init_state():
-    params = initial_params(drafter, config.seed)
-    return {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
-            "rng": step_key(config.seed)}
-
+  run = _place_run(config, inputs, out_dir)
   os.makedirs(out_dir, exist_ok=True)
-  fingerprint = _fingerprint(config, total_steps, len(inputs.train_rows))
-  checkpoints = TrainCheckpoints(checkpoints_dir, keep=config.keep_checkpoints)
+  checkpoints = TrainCheckpoints(os.path.join(out_dir, "checkpoints"),
+                                 keep=config.keep_checkpoints)
   bar = logs = None
   try:
-    start = checkpoints.latest_step() if resume else None
-    if start is None:
-      state, subset, start = jax.jit(init_state, out_shardings=state_sharding)(), None, 0
-    else:  # restored straight into this run's shards, whatever mesh saved it
-      abstract = jax.tree.map(
-          lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
-          abstract_state, state_sharding)
-      state, subset = _restore(checkpoints, start, abstract, fingerprint, order)
-    if config.vocab_subset and subset is None:
-      # Computed once per run; saved with every checkpoint (and as a json for people).
-      subset = _token_subset(inputs.table, inputs.train_rows, target.config.vocab_size,
-                             config.vocab_subset, config.max_len)
-      if is_writer:
-        save_subset(out_dir, subset)
-    tied = target.config.tie_word_embeddings
-
-    def place_head(matrix):
-      return jax.device_put(matrix, sharding.logical_sharding(sharding.HEAD_AXES,
-                                                              matrix.shape, mesh))
-
-    full_head = TargetHead(target_params["params"]["embed_tokens"]["embedding"],
-                           place_head(head_matrix(target.params, tied)))
-    train_head = (full_head if subset is None else full_head.replace(
-        lm_head=place_head(head_matrix(target.params, tied, subset))))
-    if is_writer:
+    state, subset, start = _start_state(run, checkpoints, resume)
+    full_head, train_head = _make_heads(run, subset)
+    if run.is_writer:
       with open(os.path.join(out_dir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
-
     settings = StepSettings(online=bool(config.online), noise=bool(config.noise),
-                            noise_std=float(config.noise_std), steps_per_epoch=spe,
+                            noise_std=float(config.noise_std),
+                            steps_per_epoch=inputs.order.steps_per_epoch,
                             loss=LossSettings(**config.loss.to_dict()))
-    compiled = {}
-
-    def train_step_at(step: int):
-      """The jitted step of a step's phase (`drafter.loss_phase`; e.g. Gumiho compiles
-      one without and one with its MLP cross-entropy), most methods one."""
-      phase = dataclasses.replace(
-          settings, loss=drafter.loss_phase(settings.loss, order.position(step)[0]))
-      if phase not in compiled:
-        compiled[phase] = make_train_step(
-            drafter, phase, tx, schedule, state_sharding, batch_sharding,
-            jax.tree.map(lambda x: x.sharding, target_params),
-            jax.tree.map(lambda x: x.sharding, train_head), replicated)
-      return compiled[phase]
-
-    host_rows = sharding.process_rows(batch_sharding, config.batch_size)
-
-    def load_batch(step: int) -> dict:
-      """The step's batch; on several hosts only this host's rows, as global arrays."""
-      rows = order.batch_rows(step)
-      if not multihost:
-        return pad_rows([inputs.rows[int(i)] for i in rows], config.batch_size,
-                        config.max_len, with_features=not config.online)
-      # Every host pads to the same length: the bucket of the whole batch's longest row.
-      length = bucket_length(
-          max(int(np.minimum(inputs.row_lengths[rows], config.max_len).max()), 1),
-          config.max_len)
-      local = pad_rows([inputs.rows[int(i)] for i in rows[host_rows]],
-                       host_rows.stop - host_rows.start, config.max_len,
-                       with_features=not config.online, length=length)
-      return sharding.global_batch(local, batch_sharding, config.batch_size)
-
-    picked = [inputs.rows[int(i)] for i in inputs.val_rows[:max(config.eval_rows, 0)]]
-    eval_batches = [pad_rows(picked[i:i + config.batch_size], config.batch_size,
-                             config.max_len, with_features=not config.online)
-                    for i in range(0, len(picked), config.batch_size)]
-
-    def save(step: int) -> None:
-      epoch, index = order.position(step)
-      checkpoints.save(step, state, {
-          "step": step, "position": [epoch, index], "seed": config.seed,
-          "rng": [int(x) for x in np.asarray(jax.device_get(state["rng"]))],
-          "steps_per_epoch": spe, "settings": fingerprint,
-          "vocab_subset": None if subset is None else [int(i) for i in subset]})
-
+    steps = _Steps(settings, full_head, train_head, subset, _eval_batches(config, inputs))
     show = config.progress if progress is None else progress
-    bar = tqdm(total=total_steps, initial=start, disable=not show, file=sys.stderr,
+    bar = tqdm(total=run.total_steps, initial=start, disable=not show, file=sys.stderr,
                dynamic_ncols=True, desc=f"train {config.method}")
-    logs = _Logs(out_dir, bar, config.tensorboard, writer=is_writer)
+    logs = _Logs(out_dir, bar, config.tensorboard, writer=run.is_writer)
     say = log or logs.line
-    say(f"{config.method} draft on {config.target}: {len(inputs.train_rows)} train / "
-        f"{len(inputs.val_rows)} validation rows, {spe} steps per epoch, {total_steps} "
-        f"steps, batch {config.batch_size} on {mesh.size} device(s) "
-        f"(mesh {dict(mesh.shape)}), "
-        f"{'online' if config.online else 'stored'} features, "
-        f"head {'full' if subset is None else f'{len(subset)} tokens'}"
-        + (f"; resumed at step {start}" if start else ""))
-
-    history, evals = [], []
-    step, window_tokens, window_metrics = start, 0, []
-    started = window_start = time.perf_counter()
-    batch = load_batch(step) if step < total_steps else None
-    while step < total_steps:
-      state, metrics = train_step_at(step)(state, batch, target_params, train_head)
-      # real tokens, padding not counted (on several hosts: this host's rows only)
-      window_tokens += int(np.sum(sharding.local_values(batch["lengths"])))
-      window_metrics.append(metrics)  # device arrays: no host sync until the log line
-      step += 1
-      if step < total_steps:  # collate the next batch while the step runs
-        batch = load_batch(step)
-      if step % config.log_every == 0 or step == total_steps:
-        fetched = jax.device_get(window_metrics)  # averaged over the window, lr the last
-        values = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]
-                  if all(k in m for m in fetched)}  # Gumiho's phases log other terms
-        values["lr"] = float(fetched[-1]["lr"])
-        now = time.perf_counter()
-        values.update(tokens_per_s=window_tokens / (now - window_start),
-                      steps_per_s=len(fetched) / (now - window_start),
-                      elapsed_s=now - started, epoch=order.position(step - 1)[0])
-        history.append(dict(values, step=step))
-        logs.record("train", step, values)
-        say(_train_line(step, total_steps, values))
-        window_tokens, window_metrics, window_start = 0, [], time.perf_counter()
-      if step % config.save_every == 0 or step == total_steps:
-        save(step)
-      if eval_batches and ((config.eval_every and step % config.eval_every == 0)
-                           or step == total_steps):
-        eval_start = time.perf_counter()
-        result = _evaluate(eval_batches, state["params"], target_params, full_head,
-                           drafter, bool(config.online), batch_sharding)
-        eval_seconds = time.perf_counter() - eval_start
-        evals.append(dict(result, step=step))
-        logs.record("eval", step, result)
-        alphas = " ".join(f"{result[k]:.3f}" for k in result if k.startswith("alpha_"))
-        say(f"eval step {step} | alpha_k {alphas} | tau {result['tau']:.3f} | "
-            f"{result['starts']} starts | {eval_seconds:.1f}s")
-        window_start += eval_seconds  # not training throughput
-      bar.update(1)
+    say(_run_line(run, subset, start))
+    state, step, history, evals = _train_loop(run, steps, state, start, checkpoints, logs,
+                                              say, bar)
   finally:  # also on errors: the manager's threads, the log files
     if bar is not None:
       bar.close()
@@ -576,10 +712,5 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
       logs.close()
     checkpoints.close()
   params = sharding.to_host(state["params"])
-  if config.draft_vocab and subset is not None:  # cheaper draft forwards, still lossless
-    drafter = dataclasses.replace(drafter, draft_vocab=tuple(int(i) for i in subset))
-  if is_writer:
-    # The run's own output (a resumed run replaces the draft of its earlier part).
-    save_draft(os.path.join(out_dir, "draft"), drafter, params, dtype="float16",
-               overwrite=True)
+  _export_draft(run, params, subset)
   return TrainResult(params=params, step=step, history=history, evals=evals, out_dir=out_dir)
