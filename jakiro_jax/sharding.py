@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jakiro_jax.models.kv_cache import KVCache
+from jakiro_jax.models.llama import init_params
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -142,7 +143,6 @@ def boxed_shardings(boxed_abstract, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
 
 def target_shardings(config, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
   """Shardings of a target's `{"params": ...}` tree (from the Llama modules' axis names)."""
-  from jakiro_jax.models.llama import init_params
   boxed = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0), boxed=True))
   return boxed_shardings(boxed, mesh, rules)
 

@@ -2,7 +2,7 @@
 
   python -m launch.device_report --out=DIR [--config=configs/smollm2_135m.py] \
       [--size=auto|cpu|full] [--sections=ar_decode,speculative,peers,scale] \
-      [--methods=eagle2,jakiro,jakiro_star,gumiho] [--questions_dir=../shared/data/eval] \
+      [--methods=eagle2,jakiro,jakiro_star,gumiho,lookup] [--questions_dir=../shared/data/eval] \
       [--peer_repos=DIR] [--time_budget_s=S] [--fresh]
 
 Sections (`launch/lib/device_report.py`): a. ar_decode (AR step per dtype / batch /
@@ -34,6 +34,8 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from jakiro_jax.drafts import registry
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "Experiment config file (target, trees).",
                                           lock_config=True)
@@ -42,7 +44,7 @@ _SIZE = flags.DEFINE_enum("size", "auto", ["auto", "cpu", "full"],
                           "Settings: auto = cpu on the CPU backend, else full.")
 _SECTIONS = flags.DEFINE_list("sections", ["ar_decode", "speculative", "peers", "scale"],
                               "Sections to run.")
-_METHODS = flags.DEFINE_list("methods", ["eagle2", "jakiro", "jakiro_star", "gumiho"],
+_METHODS = flags.DEFINE_list("methods", list(registry.names()),
                              "Speculative methods (empty = none).")
 _QUESTIONS_DIR = flags.DEFINE_string("questions_dir", "../shared/data/eval",
                                      "Directory of FastChat .jsonl evaluation files.")
@@ -106,9 +108,10 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"unknown sections {sorted(unknown)}; known: {list(RUN_ORDER)}")
   from launch.lib import device_report as dr
-  bad = set(_METHODS.value) - set(dr.METHODS)
+  bad = set(_METHODS.value) - set(registry.names())
   if bad:
-    raise app.UsageError(f"unknown methods {sorted(bad)}; known: {list(dr.METHODS)}")
+    raise app.UsageError(f"unknown methods {sorted(bad)}; registered: "
+                         f"{list(registry.names())}")
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
   import jax

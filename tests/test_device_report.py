@@ -198,7 +198,7 @@ def test_peers_tiny(tiny_pair):
   assert rows["hf_eager"]["greedy_mismatches"] == 0  # same weights, same greedy tokens
   assert rows["hf_eager"]["tokens_per_s"] > 0
   assert {s["item"] for s in result["skipped"]} == {"hf_static_compile"}
-  for method in dr.METHODS:
+  for method in dr.ORIGINAL_CODE_METHODS:
     assert rows[f"original/{method}"]["status"] == "not run: --peer_repos not given"
   markdown = render_markdown({"sections": {"peers": result}, "device": result["device"]})
   assert "transformers generate, eager" in markdown

@@ -15,6 +15,7 @@ import numpy as np
 from jakiro_jax.drafts.registry import make_drafter, option_fields
 from jakiro_jax.models.config import read_json
 from jakiro_jax.speculative.tree import TreeConfig
+from jakiro_jax.atomic_dir import atomic_dir, check_destination
 
 _ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "drafts")
 # "<target>-<method>" -> package-relative directory: every draft under assets/drafts.
@@ -55,7 +56,6 @@ def save_draft(out_dir, drafter, params, dtype: str | None = None,
   and then replaced whole only once the new directory is complete."""
   from safetensors.numpy import save_file
 
-  from jakiro_jax.atomic_dir import atomic_dir, check_destination
 
   check_destination(out_dir, overwrite)  # before the device -> host copy
   flat = _flatten(jax.device_get(params))

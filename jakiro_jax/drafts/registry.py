@@ -17,6 +17,7 @@ from typing import Mapping
 
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.speculative.tree import TreeConfig
+from jakiro_jax.drafts.base import check_options
 
 ENTRY_POINT_GROUP = "jakiro_jax.drafters"
 
@@ -77,8 +78,6 @@ def make_drafter(method: str, target_config: LlamaConfig, tree: TreeConfig | Non
   """The drafter of `method`; tree None = the method's default (Jakiro*: from its
   choices). Options the method does not have, a bad draft vocabulary and widths above
   the vocabulary are ValueErrors naming the problem."""
-  from jakiro_jax.drafts.base import check_options
-
   cls = get(method)
   check_options(cls, options)
   vocab = options.get("draft_vocab")

@@ -18,6 +18,8 @@ import numpy as np
 from jakiro_jax.drafts import registry
 import jakiro_jax.export.torch_layout as tl
 from jakiro_jax.models.config import read_json
+from jakiro_jax.atomic_dir import atomic_dir, check_destination
+from jakiro_jax.models.convert import _load_safetensors_any_dtype
 
 log = logging.getLogger(__name__)
 BIN, SAFETENSORS = "pytorch_model.bin", "model.safetensors"
@@ -97,8 +99,6 @@ def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "
   Written all at once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused
   unless `overwrite`, and then replaced whole (an old `.bin` would be read first).
   """
-  from jakiro_jax.atomic_dir import atomic_dir, check_destination
-
   dtype = DTYPES.get(dtype, dtype)
   if dtype not in ("float32", "float16"):
     raise ValueError(f"export dtype must be fp32 or fp16, got {dtype!r}")
@@ -209,7 +209,6 @@ def _read_safetensors(path) -> dict[str, np.ndarray]:
   from safetensors import SafetensorError
   from safetensors.numpy import load_file
 
-  from jakiro_jax.models.convert import _load_safetensors_any_dtype
   try:
     return _load_safetensors_any_dtype(path, load_file)
   except (SafetensorError, OSError, ValueError, TypeError) as e:

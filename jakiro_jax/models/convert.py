@@ -16,6 +16,8 @@ import numpy as np
 
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.tokenizer_files import make_tokenizer_files_portable
+from jakiro_jax.atomic_dir import atomic_dir
+from jakiro_jax.models.config import read_json
 
 _HF_LAYER = "model.layers.{i}."
 
@@ -248,7 +250,6 @@ def read_safetensors_dir(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _read_weight_map(path: str) -> dict[str, str]:
-  from jakiro_jax.models.config import read_json
 
   index = read_json(path, f"no {path}")
   weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -305,7 +306,6 @@ def write_hf_dir(cfg: LlamaConfig, variables: Mapping, out_dir: str | os.PathLik
   """
   from safetensors.numpy import save_file
 
-  from jakiro_jax.atomic_dir import atomic_dir
 
   state = params_to_hf(cfg, variables)
   shards, current, size = [], {}, 0

@@ -33,6 +33,9 @@ import jax
 from jakiro_jax.speculative.round_timing import ar_step_ms
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import TreeConfig
+from jakiro_jax.models.embedded import default_cache_dir
+from jakiro_jax.speculative.generate import generate
+from jakiro_jax.speculative.round_timing import round_split
 
 GRID_VERSION = 1  # bump when the grid or the measurement changes: old cache entries lapse
 
@@ -191,8 +194,6 @@ def device_description() -> tuple[str, str]:
 def cache_path(target, method: str, draft_id: str, sampling: SamplingConfig,
                cache_dir: str | os.PathLike | None = None) -> str:
   """Where the tuning result of this (device, target, method, draft, dtype, sampling) lives."""
-  from jakiro_jax.models.embedded import default_cache_dir
-
   kind, platform = device_description()
   config_text = json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str)
   key = json.dumps([GRID_VERSION, kind, platform, target.name, config_text, method,
@@ -221,9 +222,6 @@ def tune_tree(target, method: str, draft: str | None = None, *,
   best case cannot beat the best so far.
   """
   from tqdm import tqdm
-
-  from jakiro_jax.speculative.generate import generate
-  from jakiro_jax.speculative.round_timing import round_split
 
   draft_id = draft or "shipped"
   path = cache_path(target, method, draft_id, sampling, cache_dir)

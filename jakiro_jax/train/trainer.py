@@ -51,13 +51,18 @@ from jakiro_jax.train.collate import (bucket_length, pad_rows, shift_for_trainin
 from jakiro_jax.train.data_order import DataOrder, split_rows
 from jakiro_jax.train.objectives import LossSettings
 from jakiro_jax.train.vocab_subset import frequent_tokens, head_matrix, save_subset
+from jakiro_jax.drafts.io import save_draft
+from jakiro_jax.target import load_target
+from jakiro_jax.train.checkpoints import TrainCheckpoints
+from jakiro_jax.train.data import load_feature_dataset
+from jakiro_jax.train.features import features_jit
+from jakiro_jax.train.metrics import acceptance_counts, summarize
 
 log = logging.getLogger(__name__)
 
 
 class TrainInputError(ValueError):
   """A bad config, data set or output directory; the message says what to change."""
-
 
 # Config keys that may change when resuming (cadence of side effects, not the maths).
 RESUMABLE_CHANGES = ("log_every", "eval_every", "eval_rows", "save_every",
@@ -163,8 +168,6 @@ def step_loss(drafter, settings: StepSettings, params, batch: dict, target_param
   In the online mode the features come from the frozen target here; the stored mode reads
   `batch["features"]`. The shift, the noise and the objective are the same for both.
   """
-  from jakiro_jax.train.features import features_jit
-
   target_params = jax.lax.stop_gradient(target_params)
   if settings.online:
     features = jax.lax.stop_gradient(
@@ -195,7 +198,6 @@ def make_train_step(drafter, settings: StepSettings, tx, schedule, state_shardin
                     batch_sharding, target_sharding, head_sharding, replicated):
   """jit(state, batch, target_params, head: TargetHead) -> (state, metrics); the state is
   donated."""
-
   def step(state, batch, target_params, head):
     count = state["step"]
     epoch = count // settings.steps_per_epoch
@@ -227,7 +229,6 @@ class TrainResult:
 class _Logs:
   """stdout lines (through tqdm when a bar is shown), metrics.jsonl and TensorBoard;
   silent on every process but the first (`writer=False`)."""
-
   def __init__(self, out_dir, bar, tensorboard: bool, writer: bool = True):
     self.bar = bar
     self.writer = writer
@@ -314,8 +315,6 @@ class _Inputs:
 
 
 def _load_inputs(config, data_dir) -> _Inputs:
-  from jakiro_jax.target import load_target
-  from jakiro_jax.train.data import load_feature_dataset
 
   if not os.path.isdir(os.fspath(data_dir)):
     raise FileNotFoundError(f"feature set directory {data_dir} does not exist; make one "
@@ -362,9 +361,6 @@ def _restore(checkpoints, step: int, abstract, fingerprint: dict, order: DataOrd
 def _evaluate(batches, params, target_params, head: TargetHead, drafter, online: bool,
               batch_placement) -> dict:
   """alpha_k and tau (`metrics.py`) over the padded validation batches."""
-  from jakiro_jax.train.features import features_jit
-  from jakiro_jax.train.metrics import acceptance_counts, summarize
-
   hits = trials = 0
   for batch in batches:
     batch = jax.device_put(batch, batch_placement)
@@ -397,8 +393,6 @@ def _run_config(config, max_steps: int | None):
 def _prepare_out_dir(out_dir, resume: bool) -> str:
   """The absolute output directory (not created here). Without `resume` a directory that
   already holds a checkpoint is an error."""
-  from jakiro_jax.train.checkpoints import TrainCheckpoints
-
   out_dir = os.path.abspath(os.fspath(out_dir))
   checkpoints_dir = os.path.join(out_dir, "checkpoints")
   if os.path.isdir(checkpoints_dir) and not resume:
@@ -654,8 +648,6 @@ def _train_loop(run: _Run, steps: _Steps, state, start: int, checkpoints, logs: 
 
 def _export_draft(run: _Run, params, subset) -> None:
   """Writes the final draft to OUT/draft (process 0 only)."""
-  from jakiro_jax.drafts.io import save_draft
-
   drafter = run.inputs.drafter
   if run.config.draft_vocab and subset is not None:  # cheaper draft forwards, still lossless
     drafter = dataclasses.replace(drafter, draft_vocab=tuple(int(i) for i in subset))
@@ -675,8 +667,6 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
   continues exactly. `max_steps` overrides config.num_steps (the schedule's length).
   """
   from tqdm import tqdm
-
-  from jakiro_jax.train.checkpoints import TrainCheckpoints
 
   config = _run_config(config, max_steps)
   out_dir = _prepare_out_dir(out_dir, resume)

@@ -43,7 +43,8 @@ import numpy as np
 from jakiro_jax.speculative.round_timing import decode_step_fn, median_ms
 
 SECTIONS = ("ar_decode", "speculative", "peers", "scale")
-METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
+# The methods whose original PyTorch code the peers section would run.
+ORIGINAL_CODE_METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
 TREE_SETS = ("config", "papers", "tuned")
 BUDGET_REASON = ("time budget spent: rerun the same command to continue (measured rows "
                  "are kept)")
@@ -819,7 +820,7 @@ def peers(get_target: Callable[[str], Any], prompts: Mapping[str, Sequence],
       section.skip("hf_static_compile prompts", f"timed on {len(firsts)} of the {len(flat)} "
                    f"prompts, the first of {which}: each new prompt shape compiles again, "
                    f"for minutes on a CPU")
-  for method in METHODS:
+  for method in ORIGINAL_CODE_METHODS:
     key = f"original/{method}"
     if not settings["peer_repos"]:
       section.rows.append({"key": key, "what": f"original PyTorch {method} code",
@@ -1015,7 +1016,7 @@ def projection(sections: Mapping[str, Mapping]) -> dict | None:
   if not ar or not draft:
     return None
   out = []
-  for method in METHODS:
+  for method in dict.fromkeys(r.get("method") for r in spec.get("rows", [])):
     candidates = {r["tree_set"]: r for r in spec.get("rows", [])
                   if r.get("method") == method and r.get("temperature") == 0
                   and r.get("tau") and not r.get("error") and not r.get("ar_chosen")
