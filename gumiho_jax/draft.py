@@ -144,6 +144,9 @@ class GumihoDrafter(DraftHead):
   def draft_forwards_per_round(self) -> int:
     return 1 + self.serial_steps  # the MLP call is not a Transformer forward
 
+  def candidate_widths(self) -> dict[str, int]:
+    return {**super().candidate_widths(), "mlp_topk": self.mlp_topk}
+
   def verification_plan(self, tree):
     if not self.fta:
       return super().verification_plan(tree)

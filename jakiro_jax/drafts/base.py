@@ -98,6 +98,7 @@ class Drafter(Protocol):
     verification_plan(tree) -> (visible [B, N, N], plan); accept(tree, plan, logits,
                          sampling, rng) -> `Acceptance`
     draft_forwards_per_round()
+    candidate_widths()   option -> top-k width over the vocabulary (checked against V)
   Training
     objective(params, head, batch, epoch, settings) -> (loss, terms)
     loss_phase(settings, epoch) -> settings of a step's compiled phase
@@ -192,6 +193,10 @@ class DraftHead:
 
   def draft_forwards_per_round(self) -> int:
     return self.tree.depth + 1  # the context forward, then one per tree step
+
+  def candidate_widths(self) -> dict[str, int]:
+    """Option name -> how many candidates one `lax.top_k` over the vocabulary takes."""
+    return {"top_k": self.tree.top_k}
 
   def verification_plan(self, tree: Tree):
     """(visible `[B, N, N]` for the verification mask, data for `accept`)."""

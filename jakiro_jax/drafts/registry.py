@@ -93,7 +93,8 @@ def make_drafter(method: str, target_config: LlamaConfig, tree: TreeConfig | Non
   if vocab and len(vocab) < drafter.tree.top_k:
     raise ValueError(f"draft_vocab holds {len(vocab)} tokens, fewer than "
                      f"top_k={drafter.tree.top_k}")
-  widths = {"top_k": drafter.tree.top_k, "mlp_topk": getattr(drafter, "mlp_topk", 0)}
+  widths = (drafter.candidate_widths() if hasattr(drafter, "candidate_widths")
+            else {"top_k": drafter.tree.top_k})
   for name, width in widths.items():  # lax.top_k would fail deep inside the jitted loop
     if width > target_config.vocab_size:
       raise ValueError(f"{name}={width} exceeds the target's vocabulary of "
