@@ -108,6 +108,7 @@ class GumihoDrafter(DraftHead):
   inference_options: ClassVar[tuple[str, ...]] = ("fta", "reference_parity", "mlp_topk",
                                                   "pruning")
   torch_layout: ClassVar = None  # gumiho_jax/export.py sets it
+  init_method: ClassVar[str] = "init_all"  # the serial layers and the MLP heads
 
   def __post_init__(self):
     serial = self.tree.depth - self.mlp_num
@@ -129,14 +130,6 @@ class GumihoDrafter(DraftHead):
 
   def module(self) -> GumihoDraft:
     return GumihoDraft(self.layer_config, self.mlp_num, self.fc_bias)
-
-  def init_boxed(self, rng):
-    cfg = self.layer_config
-    cache = self.new_cache(1, 2)
-    x = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
-    pos = jnp.zeros((1, 1), jnp.int32)
-    return self.module().init(rng, x, x, pos, cache, jnp.ones((1, 1, 2), bool),
-                              method=GumihoDraft.init_all)
 
   def extra_cache_slots(self) -> int:
     return max(self.serial_steps * self.tree.top_k, self.tree.max_path)

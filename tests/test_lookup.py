@@ -50,7 +50,7 @@ def test_the_tree_is_a_chain_of_num_tokens(target):
   drafter = make_drafter("lookup", target.config, num_tokens=4)
   assert drafter.tree == TreeConfig(top_k=1, depth=3, total_tokens=5)
   assert drafter.draft_forwards_per_round() == 0
-  assert not registry.has_params("lookup", target.config)
+  assert not registry.has_params(drafter)
   cache = drafter.new_cache(1, 16)
   _, cache = drafter.forward({}, None, jnp.array([[3, 4, 5, 3, 4]]), None, None, cache, None)
   cache = cache.replace(lengths=jnp.array([5]))

@@ -157,6 +157,7 @@ class DraftHead:
   torch_layout: ClassVar[Any] = None
   num_layers: ClassVar[int] = 1
   derives_tree: ClassVar[bool] = False  # True: `tree` follows from other options
+  init_method: ClassVar[str | None] = None  # the module method `init_boxed` traces
 
   @property
   def layer_config(self) -> LlamaConfig:
@@ -173,7 +174,8 @@ class DraftHead:
     cfg = self.layer_config
     x = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
     pos = jnp.zeros((1, 1), jnp.int32)
-    return self.module().init(rng, x, x, pos, self.new_cache(1, 2), jnp.ones((1, 1, 2), bool))
+    return self.module().init(rng, x, x, pos, self.new_cache(1, 2), jnp.ones((1, 1, 2), bool),
+                              method=self.init_method)
 
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     cfg = self.layer_config

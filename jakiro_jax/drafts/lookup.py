@@ -62,16 +62,17 @@ def lookup_proposal(history: jax.Array, lengths: jax.Array, num_tokens: int, max
   rows = jnp.arange(batch)
   position = jnp.arange(slots)[None]  # [1, S]
   last = lengths - 1  # the root's slot
+  # agree[:, j] after step n: the n tokens ending at slot j equal the n ending at the
+  # root (each n extends the (n-1)-gram match by one token further back).
+  agree = (position < last[:, None])  # an earlier place, not the root itself
   match_end = jnp.full((batch,), -1, jnp.int32)
-  for n in range(max_ngram, min_ngram - 1, -1):
-    # an n-gram ending at slot j (j < last) equal to the one ending at the root
-    match = (position >= n - 1) & (position < last[:, None]) & (lengths[:, None] >= n)
-    for i in range(n):
-      query = history[rows, jnp.maximum(last - i, 0)]  # [B]
-      earlier = jnp.roll(history, i, axis=1)  # earlier[:, j] = history[:, j - i]
-      match &= earlier == query[:, None]
-    found = jnp.max(jnp.where(match, position, -1), axis=1).astype(jnp.int32)
-    match_end = jnp.where(match_end >= 0, match_end, found)
+  for n in range(1, max_ngram + 1):
+    query = history[rows, jnp.maximum(last - (n - 1), 0)]  # [B]
+    earlier = jnp.roll(history, n - 1, axis=1)  # earlier[:, j] = history[:, j - n + 1]
+    agree &= (earlier == query[:, None]) & (position >= n - 1) & (lengths[:, None] >= n)
+    if n >= min_ngram:  # a longer match replaces a shorter one
+      found = jnp.max(jnp.where(agree, position, -1), axis=1).astype(jnp.int32)
+      match_end = jnp.where(found >= 0, found, match_end)
   period = jnp.where(match_end >= 0, last - match_end, 1)  # no match: repeat the root
   start = jnp.where(match_end >= 0, match_end + 1, last)
   offsets = jnp.arange(num_tokens)[None] % period[:, None]  # [B, K]

@@ -15,6 +15,8 @@ import importlib
 from importlib import metadata
 from typing import Mapping
 
+import jax
+
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.drafts.base import check_options
@@ -134,11 +136,8 @@ def drafter_from_config(config, method: str, target_config: LlamaConfig, **overr
   return make_drafter(method, target_config, tree, **options)
 
 
-def has_params(method: str, target_config: LlamaConfig) -> bool:
-  """Whether `method`'s drafter has parameters (something to train, save and load)."""
-  import jax
-
-  drafter = make_drafter(method, target_config)
+def has_params(drafter) -> bool:
+  """Whether the drafter has parameters (something to train, save and load)."""
   return bool(jax.tree.leaves(jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0))))
 
 

@@ -331,7 +331,7 @@ def _load_inputs(config, data_dir) -> _Inputs:
     drafter = registry.drafter_from_config(config, config.method, target.config)
   except (TypeError, ValueError) as e:
     raise TrainInputError(f"config.drafts.{config.method}: {e}") from None
-  if not registry.has_params(config.method, target.config):
+  if not registry.has_params(drafter):
     raise TrainInputError(f"method {config.method!r} has no parameters to train")
   prompt_index, lengths, table = _scan_columns(dataset)
   train_rows, val_rows = split_rows(prompt_index, config.val_fraction)

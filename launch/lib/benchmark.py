@@ -26,17 +26,17 @@ def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
   from jakiro_jax.drafts import registry
   from jakiro_jax.drafts.io import SHIPPED_DRAFTS, load_draft
 
-  if draft == "random" or (draft is None and not registry.has_params(method, target.config)):
-    # a method without parameters (e.g. prompt lookup) needs no draft directory
+  shipped = f"{target.name}-{method}"
+  if draft == "random" or (draft is None and shipped not in SHIPPED_DRAFTS):
     drafter = registry.make_drafter(method, target.config, tree, **(options or {}))
-    return drafter, drafter.init_params(jax.random.PRNGKey(seed))
+    if draft == "random" or not registry.has_params(drafter):
+      # a method without parameters (e.g. prompt lookup) needs no draft directory
+      return drafter, drafter.init_params(jax.random.PRNGKey(seed))
+    raise ValueError(f"no trained {method} draft ships for target {target.name!r} yet; "
+                     f"pass --draft=DIR, or --draft=random for an untrained (lossless, "
+                     f"slow) draft")
   if draft is None:
-    name = f"{target.name}-{method}"
-    if name not in SHIPPED_DRAFTS:
-      raise ValueError(f"no trained {method} draft ships for target {target.name!r} yet; "
-                       f"pass --draft=DIR, or --draft=random for an untrained (lossless, "
-                       f"slow) draft")
-    draft = name
+    draft = shipped
   options = dict(options or {})
   inference = {k: v for k, v in options.items() if k in registry.inference_options(method)}
   # a tree that follows from an option (Jakiro*'s choices) is re-derived from it
