@@ -44,7 +44,7 @@ class SpecState:
   done: jax.Array  # [B] bool
   accept_lens: jax.Array  # [B, max_new] accepted drafted tokens per round (-1 = no round)
   target_cache: KVCache
-  draft_cache: KVCache
+  draft_cache: Any  # the drafter's own cache (`Drafter.new_cache`): a KVCache for most
 
 
 def draft_context(drafter, draft_params, head, tokens, features, count, cache):
