@@ -26,13 +26,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.drafts.base import (Chain, DraftHead, RoundInputs, TargetHead, fc_params,
-                                   fuse_token_and_feature)
+from jakiro_jax.drafts.base import (Chain, DraftHead, RoundInputs, TargetHead,
+                                   add_unrolled_losses, fc_params, fuse_token_and_feature)
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import DecoderLayer, _matmul_out_in, _weight
 from jakiro_jax.speculative.tree import (Candidates, TreeConfig, build_tree, level_one,
                                          next_frontier, topk_level)
+from jakiro_jax.train.collate import shift_positions
+from jakiro_jax.train.losses import feature_losses
 from gumiho_jax.fta import accept_rows_greedy, full_tree_attention
 from gumiho_jax.losses import gumiho_loss
 
@@ -228,7 +230,7 @@ class GumihoDrafter(DraftHead):
     step without those terms."""
     return dataclasses.replace(settings, mlp_ce=epoch >= settings.mlp_p_start_epoch)
 
-  def training_mlp_outputs(self, params, head: TargetHead, input_ids, serial):
+  def training_mlp_outputs(self, params, head: TargetHead, input_ids, serial, second=None):
     """The MLP heads in training: input_ids `[B, T]` (x_{t+1}), serial `[B, T, D]` ->
     `[M, B, T, D]`.
 
@@ -236,25 +238,35 @@ class GumihoDrafter(DraftHead):
     rolls: y_t = serial[t] approximates f_{t+1} (the level-1 feature at a drafting step
     whose last context pair is t). The head input at t is
 
-      z_t = [fc(emb(x_{t+2}), y_t) ; fc(emb(x_{t+3}), y_{t+1})],
+      z_t = [fc(emb(x_{t+2}), y_t) ; fc(emb(x_{t+3}), y2_t)],
 
     the same fc as the Transformer input, gradients flowing through y into the layers,
     and head i at t predicts f_{t+3+i} (`gumiho_loss` compares it with targets[t+2+i]).
     At inference the pairs are (level-1 token, draft output before it) and (level-2
-    token, the serial step's output before it); in training the second pair is
-    teacher-forced. The last positions read zero padding; the loss slicing and the mask
-    drop them.
+    token, the serial step's output before it). The original teacher-forces the second
+    pair, y2_t = y_{t+1}; with training-time test `second [B, T, D]` is the serial step
+    unrolled from y_t (what drafting feeds the heads). The last positions read zero
+    padding; the loss slicing and the mask drop them.
     """
-    pair_ids = jnp.stack([_shift(input_ids, 1), _shift(input_ids, 2)], axis=2)  # [B, T, 2]
-    pair_hidden = jnp.stack([serial, _shift(serial, 1)], axis=2)  # [B, T, 2, D]
+    if second is None:
+      second = shift_positions(serial, 1)
+    pair_ids = jnp.stack([shift_positions(input_ids, 1), shift_positions(input_ids, 2)],
+                         axis=2)  # [B, T, 2]
+    pair_hidden = jnp.stack([serial, second], axis=2)  # [B, T, 2, D]
     return jnp.moveaxis(self.mlp_heads(params, head, pair_ids, pair_hidden), 2, 0)
 
   def objective(self, params, head: TargetHead, batch, epoch, settings):
     """Serial 2-layer output + decayed MLP-head terms (`gumiho_loss`). The MLP
     cross-entropy weight is 0 before `settings.mlp_p_start_epoch`, then mlp_p_weight;
-    with `settings.mlp_ce` False those terms are not computed at all."""
-    serial = self.training_output(params, head, batch.input_ids, batch.features)
-    mlp = self.training_mlp_outputs(params, head, batch.input_ids, serial)
+    with `settings.mlp_ce` False those terms are not computed at all.
+
+    Training-time test unrolls the serial part only (at most `serial_steps` steps, the
+    levels it drafts); the MLP heads already predict the later levels in parallel, and
+    with a step unrolled they read its output as their second pair."""
+    outputs = self.unrolled_outputs(params, head, batch, settings)
+    serial = outputs[0]
+    mlp = self.training_mlp_outputs(params, head, batch.input_ids, serial,
+                                    outputs[1] if len(outputs) > 1 else None)
     if settings.mlp_ce is None:
       mlp_p_weight = jnp.where(epoch >= settings.mlp_p_start_epoch, settings.mlp_p_weight,
                                0.0)
@@ -265,7 +277,15 @@ class GumihoDrafter(DraftHead):
         p_weight=settings.p_weight, mlp_v_weight=settings.mlp_v_weight,
         mlp_p_weight=mlp_p_weight, mlp_loss_weight=settings.mlp_loss_weight,
         decay=settings.mlp_decay, mlp_ce=settings.mlp_ce is not False)
-    return loss, dict(terms, mlp_p_weight=mlp_p_weight)
+    return add_unrolled_losses(loss, dict(terms, mlp_p_weight=mlp_p_weight), outputs[1:],
+                               batch, settings, lambda output, ahead: self.step_loss(
+                                   output, ahead, head, epoch, settings))
+
+  def step_loss(self, hidden, batch, head: TargetHead, epoch, settings):
+    """An unrolled serial step: EAGLE's two terms on its output."""
+    vloss, ploss = feature_losses(hidden, batch.targets, batch.loss_mask, head.logits)
+    return settings.v_weight * vloss + settings.p_weight * ploss, {"vloss": vloss,
+                                                                   "ploss": ploss}
 
   def chain_steps(self) -> int:
     return self.serial_steps
@@ -293,9 +313,3 @@ class GumihoDrafter(DraftHead):
   @classmethod
   def papers_tree(cls):
     return DEFAULT_TREE, {"mlp_topk": 35, "pruning": 35}
-
-
-def _shift(x: jax.Array, k: int) -> jax.Array:
-  """x[:, k:] followed by k zero positions (explicit shift, no wrap-around)."""
-  pad = jnp.zeros(x.shape[:1] + (k,) + x.shape[2:], x.dtype)
-  return jnp.concatenate([x[:, k:], pad], axis=1)

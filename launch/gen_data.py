@@ -9,6 +9,15 @@ target itself (self-distillation, batched jitted AR generation, greedy unless
 "reference"). The target's features for every position of prompt + response are stored in
 Arrow shards (fp16) with a loss mask on the assistant tokens. Rerunning the same command
 continues after the last complete shard; the output is deterministic for a seed.
+
+A broader set: prompts the target writes itself, steered to kinds of task, several
+sampled answers per prompt beside the greedy one, the evaluation questions kept out:
+
+  python -m launch.gen_data --config=configs/smollm2_135m.py \
+      --prompts=../shared/data/train/prompts.jsonl --out=data/smollm2_broad \
+      --self_prompts=8000 --self_prompt_kinds=code,qa,summarisation,extraction,reasoning,writing \
+      --samples_per_prompt=3 --sample_temperatures=0.7,1.0 \
+      --exclude_questions=$(ls ../shared/data/eval/*.jsonl | paste -sd,)
 """
 
 from __future__ import annotations
@@ -46,6 +55,18 @@ _MAX_SHARDS = flags.DEFINE_integer("max_shards", None,
 _SHUFFLE = flags.DEFINE_boolean("shuffle", True, "Take prompts in a seeded random order "
                                 "(mixes the file's sources across shards).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for sampling and self-written prompts.")
+_KINDS = flags.DEFINE_list(
+    "self_prompt_kinds", [], "Steer the self-written prompts to these kinds of task, in "
+    "turn (code, qa, summarisation, extraction, reasoning, writing); empty: the target "
+    "writes freely from the user prefix.")
+_SAMPLES = flags.DEFINE_integer("samples_per_prompt", 0,
+                                "Sampled answers per prompt beside the main one.")
+_SAMPLE_TEMPERATURES = flags.DEFINE_list("sample_temperatures", ["0.7", "1.0"],
+                                         "Temperatures of the sampled answers, in turn.")
+_DEDUP = flags.DEFINE_boolean("dedup", True, "Drop exact and near-duplicate prompts.")
+_EXCLUDE = flags.DEFINE_list(
+    "exclude_questions", [], "FastChat jsonl files (evaluation sets) whose questions must "
+    "not reach the training set: exact and near-duplicate prompts are dropped.")
 flags.mark_flags_as_required(["prompts", "out"])
 
 
@@ -54,28 +75,43 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from jakiro_jax.target import load_target
   from jakiro_jax.train.data import read_prompts
-  from jakiro_jax.train.distill_data import GenDataSettings, make_feature_set
+  from jakiro_jax.train.distill_data import GenDataSettings, make_feature_set, summarize
+  from jakiro_jax.train.prompt_mix import read_questions
 
-  cli.require_files(prompts=_PROMPTS.value)
+  cli.require_files(prompts=_PROMPTS.value, exclude_questions=_EXCLUDE.value)
   config = _CONFIG.value
-  settings = GenDataSettings(
-      responses=_RESPONSES.value, max_new_tokens=_MAX_NEW.value, max_len=_MAX_LEN.value,
-      temperature=_TEMPERATURE.value, top_p=_TOP_P.value, batch_size=_BATCH.value,
-      shard_size=_SHARD.value, seed=_SEED.value, shuffle=_SHUFFLE.value, system_prompt=config.system_prompt or None)
+  try:
+    temperatures = tuple(float(t) for t in _SAMPLE_TEMPERATURES.value)
+  except ValueError:
+    raise app.UsageError(f"--sample_temperatures must be numbers, got "
+                         f"{_SAMPLE_TEMPERATURES.value}") from None
+  try:
+    settings = GenDataSettings(
+        responses=_RESPONSES.value, max_new_tokens=_MAX_NEW.value, max_len=_MAX_LEN.value,
+        temperature=_TEMPERATURE.value, top_p=_TOP_P.value, batch_size=_BATCH.value,
+        shard_size=_SHARD.value, seed=_SEED.value, shuffle=_SHUFFLE.value,
+        system_prompt=config.system_prompt or None, samples_per_prompt=_SAMPLES.value,
+        sample_temperatures=temperatures, dedup=_DEDUP.value,
+        self_prompt_kinds=tuple(_KINDS.value))
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   prompts = read_prompts(_PROMPTS.value, _MAX_PROMPTS.value)
-  records = None
-  if _RESPONSES.value == "file":
-    with open(_PROMPTS.value) as f:
-      records = [json.loads(line) for line in f if line.strip()][:len(prompts)]
+  with open(_PROMPTS.value) as f:
+    records = [json.loads(line) for line in f if line.strip()][:len(prompts)]
+  excluded = read_questions(_EXCLUDE.value)
   print(f"loading target {config.target} ...", file=sys.stderr)
   target = load_target(config.target, dtype=config.dtype)
   meta = make_feature_set(
       target, prompts, _OUT.value, settings, records, self_prompts=_SELF_PROMPTS.value,
       extra_meta={"target_source": str(config.target),
-                  "prompts_file": os.path.basename(_PROMPTS.value)},
-      max_shards=_MAX_SHARDS.value)
+                  "prompts_file": os.path.basename(_PROMPTS.value),
+                  "excluded_files": [os.path.basename(p) for p in _EXCLUDE.value]},
+      max_shards=_MAX_SHARDS.value, excluded=excluded)
+  totals = summarize(_OUT.value)
   print(f"feature set in {_OUT.value}: {meta['num_file_prompts']} file prompts + "
-        f"{meta['self_prompts']} self-written", file=sys.stderr)
+        f"{meta['self_prompts']} self-written; so far {totals['conversations']} "
+        f"conversations, {totals['answer_tokens']} answer tokens (mix: "
+        f"{os.path.join(_OUT.value, 'mix.json')})", file=sys.stderr)
 
 
 if __name__ == "__main__":

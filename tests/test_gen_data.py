@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from jakiro_jax.train import data
+from jakiro_jax.train import data, distill_data, prompt_mix
+from jakiro_jax.train.data_order import split_rows
 from jakiro_jax.train.distill_data import GenDataSettings, make_feature_set
 from jakiro_jax.train.features import target_features
 
@@ -104,3 +106,82 @@ def test_cli_writes_a_feature_set(tmp_path):
   assert data.completed_shards(out) == [0, 1]
   got, meta = rows(out)
   assert meta["prompts_file"] == "prompts.jsonl" and len(got) == 2
+
+
+# ------------------------------------------------ broader sets: answers, mix, held-out
+
+def test_sampled_answers_exclusion_and_mix(smollm2, tmp_path):
+  """Two answers per prompt (greedy + T = 1), an excluded question and a near duplicate
+  dropped, the mix recorded, and the validation split disjoint by prompt."""
+  prompts = PROMPTS + ["what is 2 + 3 ?"]  # a near duplicate of PROMPTS[1]
+  records = [{"turns": [p], "source": "a" if i < 3 else "b"} for i, p in enumerate(prompts)]
+  settings = GenDataSettings(max_new_tokens=6, max_len=128, batch_size=4, shard_size=4,
+                             seed=3, samples_per_prompt=1, sample_temperatures=(1.0,))
+  excluded = ["SAY HELLO IN FRENCH!"]  # PROMPTS[2], up to case and punctuation
+  out = tmp_path / "broad"
+  make_feature_set(smollm2, prompts, out, settings, records, progress=False,
+                   excluded=excluded)
+  got, meta = rows(out)
+  indices = [int(r["prompt_index"]) for r in got]
+  assert set(indices) == {0, 1, 3, 4}  # 2 excluded, 5 duplicates 1
+  assert meta["samples_per_prompt"] == 1 and meta["excluded_questions"] == 1
+  for i in set(indices):
+    answers = [r for r in got if r["prompt_index"] == i]
+    assert 1 <= len(answers) <= 2
+    prompt_ids = smollm2.chat_prompt(prompts[i])
+    assert all(list(r["input_ids"][:len(prompt_ids)]) == prompt_ids for r in answers)
+    if len(answers) == 2:  # a sampled answer equal to the greedy one is dropped
+      assert list(answers[0]["input_ids"]) != list(answers[1]["input_ids"])
+  assert len(got) > 4  # T = 1 gave at least one new answer
+  # Answer 0 is the greedy one, as a set without sampled answers makes it.
+  greedy = tmp_path / "greedy"
+  make_feature_set(smollm2, prompts, greedy, dataclasses.replace(settings, samples_per_prompt=0),
+                   records, progress=False, excluded=excluded)
+  first = {}
+  for r in got:
+    first.setdefault(int(r["prompt_index"]), r)
+  for r in rows(greedy)[0]:
+    np.testing.assert_array_equal(r["input_ids"], first[int(r["prompt_index"])]["input_ids"])
+  with open(out / distill_data.MIX_FILE) as f:
+    mix = json.load(f)
+  assert mix["prompts"] == 4 and mix["by_source"] == {"a": 2, "b": 2}
+  assert mix["dropped"] == {"duplicates_dropped": 1, "evaluation_overlaps_dropped": 1}
+  assert mix["answers_per_prompt"] == 2 and mix["answer_temperatures"] == [0.0, 1.0]
+  totals = distill_data.summarize(out)
+  assert totals["conversations"] == len(got) and totals["prompts"] == 4
+  assert totals["answer_tokens"] == sum(int(r["loss_mask"].sum()) for r in got)
+  train_rows, val_rows = split_rows(indices, 0.25)
+  assert {indices[i] for i in val_rows} == {4}  # every answer of the last prompt
+  assert not {indices[i] for i in train_rows} & {indices[i] for i in val_rows}
+
+
+def test_bad_broad_settings_are_refused():
+  with pytest.raises(ValueError, match="samples_per_prompt"):
+    GenDataSettings(samples_per_prompt=-1)
+  with pytest.raises(ValueError, match="sampled answers need"):
+    GenDataSettings(samples_per_prompt=1, responses="file")
+  with pytest.raises(ValueError, match="sample_temperatures"):
+    GenDataSettings(samples_per_prompt=1, sample_temperatures=(0.0,))
+  with pytest.raises(ValueError, match="kinds"):
+    GenDataSettings(self_prompt_kinds=("code", "poetry"))
+
+
+@pytest.mark.slow  # ~1 min: SmolLM2 writes passages and requests at T = 1
+def test_steered_self_prompts(smollm2, tmp_path):
+  kinds = ("code", "summarisation")
+  settings = GenDataSettings(max_new_tokens=4, max_len=512, batch_size=4, shard_size=8,
+                             seed=1, self_prompt_kinds=kinds)
+  out = tmp_path / "steered"
+  make_feature_set(smollm2, PROMPTS[:1], out, settings, progress=False, self_prompts=4)
+  with open(out / distill_data.SELF_PROMPTS_FILE) as f:
+    written = [json.loads(line) for line in f]
+  assert [r["category"] for r in written] == ["code", "summarisation"] * 2
+  summaries = [r["turns"][0] for r in written if r["category"] == "summarisation"]
+  assert all(any(s.startswith(t.split("{")[0]) for t in prompt_mix.PASSAGE_TASKS[
+      "summarisation"]) for s in summaries)
+  with open(out / distill_data.MIX_FILE) as f:
+    mix = json.load(f)
+  assert mix["by_source"]["self/code"] + mix["by_source"].get("file", 0) >= 2
+  # A resumed run reuses the written prompts.
+  again = distill_data.write_self_prompts(smollm2, out, 4, settings)
+  assert [p for p, _ in again] == [r["turns"][0] for r in written]

@@ -29,6 +29,7 @@ from jakiro_jax.models.llama import _matmul_out_in, _weight
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import Acceptance, accept
+from jakiro_jax.train.collate import shift_positions
 
 
 @flax.struct.dataclass
@@ -235,9 +236,55 @@ class DraftHead:
                           self.new_cache(batch, length), mask)
     return out
 
+  # Training. `objective` is `step_loss` at the context forward plus, with training-time
+  # test (`settings.ttt_steps = k`), `step_loss` at each of k steps unrolled on the
+  # draft's own features, as drafting runs them (`unrolled_outputs`).
+  def step_loss(self, output, batch, head: TargetHead, epoch, settings):
+    """The method's loss of one forward output `[B, T, ...]` against `batch` (shifted so
+    that position t's target is what the output at t predicts) -> (loss, terms)."""
+    raise NotImplementedError
+
+  def objective(self, params, head: TargetHead, batch, epoch, settings):
+    outputs = self.unrolled_outputs(params, head, batch, settings)
+    loss, terms = self.step_loss(outputs[0], batch, head, epoch, settings)
+    return add_unrolled_losses(
+        loss, terms, outputs[1:], batch, settings,
+        lambda output, ahead: self.step_loss(output, ahead, head, epoch, settings))
+
+  def unrolled_outputs(self, params, head: TargetHead, batch, settings) -> list:
+    """Training-time test: the raw forward outputs `[B, T, ...]` of the context forward
+    and of `settings.ttt_steps` chain steps.
+
+    Step k of start t sits at position t + k, reads the feature the draft itself produced
+    at step k - 1 (`chain_hidden`) and token x_{t+k+1} (`ttt_tokens="data"`: on the
+    paths that get accepted, the drafted tokens are the target's) or the draft's own
+    top-1 token (`"argmax"`), and attends to the context up to t and to its own earlier
+    steps: the mask a drafting round uses for a root-to-leaf path (`Chain`). Its output
+    predicts f_{t+k+1}. With no steps this is `training_output`, bit for bit.
+    """
+    steps = settings.ttt_steps
+    if steps == 0:
+      return [self.training_output(params, head, batch.input_ids, batch.features)]
+    chain = Chain(self, params, head, batch.input_ids, batch.features, steps)
+    outputs = [chain.context(raw=True)]
+    for k in range(1, steps + 1):
+      hidden = self.chain_hidden(outputs[-1])
+      if settings.ttt_tokens == "data":
+        tokens = shift_positions(batch.input_ids, k)
+      else:
+        tokens = chain.argmax(jax.lax.stop_gradient(hidden))
+      outputs.append(chain.step(k, tokens, hidden, raw=True))
+    return outputs
+
+  def chain_hidden(self, output):
+    """The feature `[B, T, D]` a chain step passes to the next (validation chains and
+    training-time test); the carried output by default."""
+    return self.carry(output)
+
   # Validation chains (`train/metrics.py`): a top-1 chain per start position.
   def chain_steps(self) -> int:
-    """Chain steps after the context forward (one level each)."""
+    """Chain steps after the context forward (one level each); also the most
+    training-time test steps that match drafting."""
     return self.tree.depth
 
   def validation_chain(self, params, head: TargetHead, input_ids, features):
@@ -294,6 +341,19 @@ class Chain:
         self.params, self.head, tokens, hidden, positions,
         cache.replace(lengths=jnp.full((batch,), k * length, jnp.int32)), mask)
     return out if raw else self.drafter.carry(out)
+
+
+def add_unrolled_losses(loss, terms: dict, outputs, batch, settings, step_loss):
+  """Adds training-time test step k's loss (k = 1..len(outputs)), weighted
+  `ttt_decay^k`: `step_loss(outputs[k-1], batch.ahead(k)) -> (loss_k, terms_k)`.
+  Step k's terms are logged as `ttt{k}_<term>` and its loss as `ttt{k}_loss`."""
+  terms = dict(terms)
+  for k, output in enumerate(outputs, start=1):
+    loss_k, terms_k = step_loss(output, batch.ahead(k))
+    loss = loss + settings.ttt_decay ** k * loss_k
+    terms[f"ttt{k}_loss"] = loss_k
+    terms.update({f"ttt{k}_{name}": value for name, value in terms_k.items()})
+  return loss, terms
 
 
 def head_argmax(x: jax.Array, head: jax.Array, chunk: int = 256) -> jax.Array:

@@ -60,9 +60,8 @@ class Eagle2Drafter(DraftHead):
     hidden = self.carry(inputs.run_forward(i, frontier))
     return self.log_probs(inputs.head, hidden), hidden
 
-  def objective(self, params, head: TargetHead, batch, epoch, settings):
+  def step_loss(self, hidden, batch, head: TargetHead, epoch, settings):
     """EAGLE: loss = v_w * vloss + p_w * ploss on the one-layer draft's outputs."""
-    hidden = self.training_output(params, head, batch.input_ids, batch.features)
     vloss, ploss = feature_losses(hidden, batch.targets, batch.loss_mask, head.logits)
     loss = settings.v_weight * vloss + settings.p_weight * ploss
     return loss, {"vloss": vloss, "ploss": ploss}

@@ -116,9 +116,8 @@ class JakiroDrafter(Eagle2Drafter):
   def draft_forwards_per_round(self) -> int:
     return self.tree.depth
 
-  def objective(self, params, head: TargetHead, batch, epoch, settings):
+  def step_loss(self, out: JakiroOutput, batch, head: TargetHead, epoch, settings):
     """`jakiro_loss` on the MoE's two outputs (left -> f_{t+1}, right -> f_{t+2})."""
-    out = self.training_output(params, head, batch.input_ids, batch.features)
     return jakiro_loss(out.left, out.right, batch.targets, batch.loss_mask, head.logits,
                        v_weight=settings.v_weight, p_weight=settings.p_weight,
                        contrast_weight=settings.contrast_weight)

@@ -188,6 +188,11 @@ class JakiroStarDrafter(DraftHead):
     """Both experts `[..., 2, D]` (preferred first): a round expands the root with both."""
     return output.experts
 
+  def chain_hidden(self, output: JakiroStarOutput):
+    """The preferred expert's output: a top-1 chain follows the rank-0 path of the tree,
+    whose nodes carry that expert's feature."""
+    return output.experts[:, :, 0]
+
   def draw_children(self, logits, count: int, sampling, key):
     """Expert logits `[B, n, 2, V]` of n expanded nodes -> (children `[B, n, C]` in draw
     order, their proposal probabilities `[B, n, C]`, per-node data for the verifier
@@ -261,10 +266,9 @@ class JakiroStarDrafter(DraftHead):
     rule = accept_reference if self.reference_parity else accept_multidraft
     return rule(tree, logits, sampling, rng, self.structure.row, self.tree.max_path)
 
-  def objective(self, params, head: TargetHead, batch, epoch, settings):
+  def step_loss(self, out: JakiroStarOutput, batch, head: TargetHead, epoch, settings):
     """EAGLE's loss on the gate-weighted sum of the two experts (`jakiro_star_loss`);
     drafting then uses the experts one by one."""
-    out = self.training_output(params, head, batch.input_ids, batch.features)
     return jakiro_star_loss(out.mixture, batch.targets, batch.loss_mask, head.logits,
                             v_weight=settings.v_weight, p_weight=settings.p_weight)
 
@@ -272,10 +276,10 @@ class JakiroStarDrafter(DraftHead):
     """The preferred expert's argmax chain (the rank-0 path of the T = 0 tree): each step
     carries that expert's output, as drafting does."""
     chain = Chain(self, params, head, input_ids, features, self.chain_steps())
-    hidden = chain.context()[:, :, 0]
+    hidden = self.chain_hidden(chain.context(raw=True))
     tokens = [chain.argmax(hidden)]
     for k in range(1, self.chain_steps() + 1):
-      hidden = chain.step(k, tokens[-1], hidden)[:, :, 0]
+      hidden = self.chain_hidden(chain.step(k, tokens[-1], hidden, raw=True))
       tokens.append(chain.argmax(hidden))
     return jnp.stack(tokens)
 

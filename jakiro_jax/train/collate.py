@@ -88,6 +88,22 @@ class TrainBatch:
   targets: jax.Array  # [B, T, D] f_{t+1}
   loss_mask: jax.Array  # [B, T] float32
 
+  def ahead(self, k: int) -> "TrainBatch":
+    """The batch of training-time test step k: position t holds token x_{t+k+1}, target
+    f_{t+k+1} and the loss mask of position t + k (0 past the row). `features` is kept
+    (an unrolled step reads the draft's own)."""
+    return self.replace(input_ids=shift_positions(self.input_ids, k),
+                        targets=shift_positions(self.targets, k),
+                        loss_mask=shift_positions(self.loss_mask, k))
+
+
+def shift_positions(x: jax.Array, k: int) -> jax.Array:
+  """x[:, k:] followed by k zero positions `[B, T, ...]` (no wrap-around)."""
+  if k == 0:
+    return x
+  pad = jnp.zeros(x.shape[:1] + (k,) + x.shape[2:], x.dtype)
+  return jnp.concatenate([x[:, k:], pad], axis=1)
+
 
 def _shift_left(x: jax.Array, valid: jax.Array) -> jax.Array:
   """x[:, 1:] + [0], then zeroed where `valid [B, T]` is false."""

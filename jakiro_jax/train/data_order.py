@@ -14,10 +14,12 @@ import numpy as np
 
 def split_rows(prompt_index: Sequence[int], val_fraction: float = 0.05
                ) -> tuple[np.ndarray, np.ndarray]:
-  """(train rows, validation rows) as dataset row indices.
+  """(train rows, validation rows) as dataset row indices, disjoint by prompt.
 
-  Rows are ordered by prompt index; the last `val_fraction` (at least one row) is the
-  validation split, like the original's "first 95 % train, last 5 % test".
+  Prompts are ordered by index; the rows of the last `val_fraction` of the distinct
+  prompts (at least one) are the validation split, like the original's "first 95 %
+  train, last 5 % test". With several answers per prompt, all of a prompt's rows fall
+  on the same side; with one row per prompt this is a cut of the rows.
   """
   n = len(prompt_index)
   if n < 2:
@@ -25,9 +27,16 @@ def split_rows(prompt_index: Sequence[int], val_fraction: float = 0.05
                      f"(one for validation)")
   if not 0.0 < val_fraction < 1.0:
     raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-  order = np.argsort(np.asarray(prompt_index), kind="stable")
-  num_train = min(int(n * (1.0 - val_fraction)), n - 1)
-  return order[:num_train], order[num_train:]
+  prompt_index = np.asarray(prompt_index)
+  prompts = np.unique(prompt_index)
+  if len(prompts) < 2:
+    raise ValueError(f"the feature set holds answers to {len(prompts)} prompt; training "
+                     f"needs at least 2 (one for validation)")
+  order = np.argsort(prompt_index, kind="stable")
+  num_train = min(int(len(prompts) * (1.0 - val_fraction)), len(prompts) - 1)
+  first_val = prompts[num_train]
+  train = prompt_index[order] < first_val
+  return order[train], order[~train]
 
 
 class DataOrder:

@@ -30,3 +30,21 @@ class LossSettings:
   # phase, so the weight-0 epochs skip the heads' lm_head work); None: decided from the
   # traced epoch, computing the terms always.
   mlp_ce: bool | None = None
+  # Training-time test (HASS / EAGLE-3): the draft is unrolled `ttt_steps` steps on its
+  # own features with the drafting mask, step k's loss weighted ttt_decay^k; 0 is the
+  # original recipe. Tokens of the unrolled steps: "data" (the conversation's, which
+  # are the target's on every path that gets accepted) or "argmax" (the draft's top-1).
+  ttt_steps: int = 0
+  ttt_tokens: str = "data"
+  ttt_decay: float = 0.8
+
+  def __post_init__(self):
+    if not isinstance(self.ttt_steps, int) or self.ttt_steps < 0:
+      raise ValueError(f"ttt_steps must be an integer >= 0, got {self.ttt_steps!r}")
+    if self.ttt_tokens not in TTT_TOKENS:
+      raise ValueError(f"ttt_tokens must be one of {TTT_TOKENS}, got {self.ttt_tokens!r}")
+    if not 0.0 < self.ttt_decay <= 1.0:
+      raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
+
+
+TTT_TOKENS = ("data", "argmax")

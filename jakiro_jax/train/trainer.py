@@ -301,6 +301,24 @@ def _check_config(config) -> None:
     raise TrainInputError("set config.num_steps > 0 or config.num_epochs > 0")
 
 
+def loss_settings(config, drafter) -> LossSettings:
+  """`config.loss` as `LossSettings`, checked against the method and the data mode."""
+  try:
+    settings = LossSettings(**config.loss.to_dict())
+  except (TypeError, ValueError) as e:
+    raise TrainInputError(f"config.loss: {e}") from None
+  most = drafter.chain_steps()
+  if settings.ttt_steps > most:
+    raise TrainInputError(
+        f"config.loss.ttt_steps={settings.ttt_steps}, but a {config.method} drafter with "
+        f"this tree drafts only {most} step(s) after the context forward; unrolling more "
+        f"trains steps that drafting never runs (use at most {most})")
+  if settings.ttt_steps and settings.ttt_tokens == "argmax" and config.vocab_subset:
+    raise TrainInputError("config.loss.ttt_tokens='argmax' needs the full lm_head to "
+                          "pick the draft's tokens; set vocab_subset=0 or ttt_tokens='data'")
+  return settings
+
+
 @dataclasses.dataclass
 class _Inputs:
   """What a run reads: rows, target, drafter, split and order."""
@@ -333,6 +351,7 @@ def _load_inputs(config, data_dir) -> _Inputs:
     raise TrainInputError(f"config.drafts.{config.method}: {e}") from None
   if not registry.has_params(drafter):
     raise TrainInputError(f"method {config.method!r} has no parameters to train")
+  loss_settings(config, drafter)
   prompt_index, lengths, table = _scan_columns(dataset)
   train_rows, val_rows = split_rows(prompt_index, config.val_fraction)
   order = DataOrder(train_rows, np.minimum(lengths[train_rows], config.max_len),
@@ -685,7 +704,7 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
     settings = StepSettings(online=bool(config.online), noise=bool(config.noise),
                             noise_std=float(config.noise_std),
                             steps_per_epoch=inputs.order.steps_per_epoch,
-                            loss=LossSettings(**config.loss.to_dict()))
+                            loss=loss_settings(config, inputs.drafter))
     steps = _Steps(settings, full_head, train_head, subset, _eval_batches(config, inputs))
     show = config.progress if progress is None else progress
     bar = tqdm(total=run.total_steps, initial=start, disable=not show, file=sys.stderr,

@@ -1,0 +1,78 @@
+"""Prompt cleaning and steering (`train/prompt_mix.py`), and the check that no evaluation
+question reaches the training prompts."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from jakiro_jax.train import prompt_mix
+from jakiro_jax.train.data import read_prompts
+
+SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
+                      "shared", "data")
+EVAL_FILES = sorted(glob.glob(os.path.join(SHARED, "eval", "*.jsonl")))
+TRAIN_FILE = os.path.join(SHARED, "train", "prompts.jsonl")
+
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as "
+            "many clips in May. How many clips did Natalia sell altogether in April and May?")
+
+
+def test_near_duplicates_by_hand():
+  index = prompt_mix.NearDuplicateIndex([QUESTION, "Hello there"])
+  assert index.match(QUESTION.upper().replace(",", " ;")) == 0  # case, punctuation
+  assert index.match("Please solve this: " + QUESTION + " Show your work.") == 0  # wrapped
+  assert index.match(QUESTION.rsplit(" ", 3)[0]) == 0  # cut short
+  assert index.match("hello, THERE!") == 1  # short texts: exact after normalising
+  assert index.match("Hello there, how are you today my friend") is None
+  other = QUESTION.replace("clips", "apples").replace("April", "June").replace("May", "July")
+  assert index.match(other) is None  # the same template with other words
+  with pytest.raises(ValueError, match="threshold"):
+    prompt_mix.NearDuplicateIndex(threshold=0.0)
+
+
+def test_clean_prompts_counts_and_keeps_order():
+  prompts = ["a b c d e f g h", "Write a poem about the sea", "A B C D E F G H!",
+             QUESTION, "write a poem about the sea.", "Unrelated request about cooking"]
+  kept, counts = prompt_mix.clean_prompts(prompts, excluded=[QUESTION])
+  assert kept == [0, 1, 5]
+  assert counts == {"duplicates_dropped": 2, "evaluation_overlaps_dropped": 1}
+  kept, counts = prompt_mix.clean_prompts(prompts, excluded=[QUESTION], dedup=False)
+  assert kept == [0, 1, 2, 4, 5] and counts["duplicates_dropped"] == 0
+
+
+def test_steering_plan_and_passages():
+  plan = prompt_mix.steering_plan(12, ("code", "qa", "summarisation"), seed=4)
+  assert [k for k, _ in plan] == ["code", "qa", "summarisation"] * 4
+  assert plan == prompt_mix.steering_plan(12, ("code", "qa", "summarisation"), seed=4)
+  assert plan != prompt_mix.steering_plan(12, ("code", "qa", "summarisation"), seed=5)
+  assert all(t in prompt_mix.TOPICS for _, t in plan)
+  wrapped = prompt_mix.wrap_passage("extraction", "Ada met Bob in Paris in 1999.", 0)
+  assert wrapped.endswith("Ada met Bob in Paris in 1999.") and wrapped != "Ada met"
+  assert prompt_mix.wrap_passage("code", "Sort a list.", 0) == "Sort a list."
+  for bad in (("code", "code"), ("poems",)):
+    with pytest.raises(ValueError, match="kinds"):
+      prompt_mix.check_kinds(bad)
+
+
+@pytest.mark.skipif(not (EVAL_FILES and os.path.exists(TRAIN_FILE)),
+                    reason=f"the shared data is not at {SHARED}")
+def test_no_evaluation_question_reaches_the_training_prompts():
+  """The shipped prompt pool, with evaluation questions planted in it (verbatim, re-cased,
+  wrapped in other words): cleaning drops every planted one, and no kept prompt equals
+  an evaluation turn after normalising."""
+  assert len(EVAL_FILES) == 5
+  questions = prompt_mix.read_questions(EVAL_FILES)
+  assert len(questions) >= 400
+  pool = read_prompts(TRAIN_FILE)
+  planted = [questions[0], questions[85].upper(), "Quick question. " + questions[170],
+             questions[255] + " Answer briefly.", questions[399]]
+  prompts = pool + planted
+  kept, counts = prompt_mix.clean_prompts(prompts, excluded=questions)
+  assert counts["evaluation_overlaps_dropped"] >= len(planted)
+  assert not set(kept) & set(range(len(pool), len(prompts)))
+  normalized = {prompt_mix.normalize(q) for q in questions}
+  assert not any(prompt_mix.normalize(prompts[i]) in normalized for i in kept)
+  assert len(kept) > 0.95 * len(pool)
