@@ -1,0 +1,16 @@
+"""FTP: fine-grained token-wise pruning of the target (each block skips some tokens).
+
+Modules:
+  schedule  per-block sparsity schedules: `check_schedule`, `keep_count(s)`,
+            `uniform_schedule`, `mean_sparsity`
+  cache     `PrunedCache`: layer-wise K/V with per-layer validity and attention-received sums
+  route     what a router sees (`BlockContext`) and decides (`Decision`), `fixed_route`,
+            `straight_through`
+  model     masked-dense token-skipping `forward`, `prefill`, `decode_step` (training,
+            evaluation, decode)
+  routers   static priority, dynamic (per block) and one-pass learnt routers
+  prefill   gathered prefill with real compute savings (`prefill_gathered`,
+            `pruned_prefill_jit`)
+  flops     per-block and total FLOPs of a schedule against the dense model
+  timing    dense vs pruned prefill wall clock
+"""

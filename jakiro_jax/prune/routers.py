@@ -1,0 +1,245 @@
+"""Routers: which tokens each block computes.
+
+Axis letters: B batch, T tokens of this call, S cache slots, L layers (blocks), F = 4
+router factors. Every router is a route (`prune.route`): `route(ctx, carry) ->
+(Decision, carry)`, called by the forward once per block.
+
+- Static router: position priority x_0, x_{L-1}, x_{L-2}, ..., x_1 (attention sink, then
+  recency); block i keeps the top `k_i = ceil((1 - s_i) L)`. Untrained.
+- Dynamic router: one global MLP 4 -> 64 -> 1 (GELU, sigmoid = keep probability) over the
+  factors (position j/(L-1), attention received, its rank / L, s_i), evaluated before
+  every block on the latest attention table; top-k_i per block in prefill ("topk" mode),
+  p >= threshold per token in decode ("threshold" mode); the decision's gate is
+  straight-through, so a loss on the output reaches the MLP's params.
+- One-pass router: the same MLP called once, before block 1, on the block-0 attention,
+  for every later block at once; block 0 itself uses the static router. Its decisions
+  need no attention probabilities after block 0.
+
+Common rules: token 0 (the attention sink) is always kept; a block with s_i = 0 keeps
+every real token; right padding (`lengths`) is never kept.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jakiro_jax.prune.route import BlockContext, Decision, Route, straight_through
+from jakiro_jax.prune.schedule import keep_count, keep_counts
+
+ROUTER_FACTORS = 4
+ROUTER_HIDDEN = 64
+ROUTE_MODES = ("topk", "threshold")
+
+
+def _count_table(sparsity: float, max_length: int) -> jax.Array:
+  """`[max_length + 1]` int32: `keep_count(sparsity, n)` for n = 0..max_length, so traced
+  lengths get the exact Python rounding."""
+  return jnp.asarray([keep_count(sparsity, n) for n in range(max_length + 1)], jnp.int32)
+
+
+def _check_mode(mode: str) -> None:
+  if mode not in ROUTE_MODES:
+    raise ValueError(f"route mode {mode!r} is not one of {ROUTE_MODES}")
+
+
+def _check_schedule_values(schedule: Sequence[float]) -> tuple[float, ...]:
+  values = tuple(float(s) for s in schedule)
+  for i, s in enumerate(values):
+    if not 0.0 <= s < 1.0:
+      raise ValueError(f"sparsity of block {i} is {s}; it must lie in [0, 1)")
+  return values
+
+
+def _layer_sparsity(schedule: tuple[float, ...], layer: int) -> float:
+  if layer >= len(schedule):
+    raise ValueError(f"sparsity schedule has {len(schedule)} entries; block {layer} "
+                     f"has none (schedule length must equal the number of layers)")
+  return schedule[layer]
+
+
+# ---------------------------------------------------------------------------- static
+
+def static_rank(positions: jax.Array, seq_len: jax.Array) -> jax.Array:
+  """Priority rank `[B, T]` (0 = kept first) of tokens at `positions [B, T]` in sequences
+  of `seq_len [B]`: x_0 -> 0, x_{L-1} -> 1, x_{L-2} -> 2, ..., x_1 -> L-1."""
+  rank = seq_len[:, None] - positions
+  return jnp.where(positions == 0, 0, rank)
+
+
+def static_route(schedule: Sequence[float]) -> Route:
+  """Position-priority router. The count `k_i` is taken over the whole sequence so far:
+  in prefill that is the prompt; a decode token (rank 1) is kept while `k_i >= 2`."""
+  schedule = _check_schedule_values(schedule)
+
+  def route(ctx: BlockContext, carry):
+    s = _layer_sparsity(schedule, ctx.layer)
+    counts = _count_table(s, ctx.in_seq.shape[1])[ctx.seq_len]  # [B]
+    keep = static_rank(ctx.positions, ctx.seq_len) < counts[:, None]
+    return Decision(keep & ctx.real), carry
+
+  route.schedule = schedule
+  return route
+
+
+def static_keep_mask(schedule: Sequence[float], lengths, num_tokens: int) -> np.ndarray:
+  """Static router's prefill decisions `[B, L, T]` bool for right-padded rows of
+  `lengths [B]` real tokens (numpy, for inspection and `fixed_route`)."""
+  schedule = _check_schedule_values(schedule)
+  lengths = np.asarray(lengths, np.int64)
+  if lengths.ndim != 1 or np.any(lengths < 1) or np.any(lengths > num_tokens):
+    raise ValueError(f"lengths must be [B] in [1, {num_tokens}], got {lengths}")
+  positions = np.arange(num_tokens)[None, :]
+  rank = np.where(positions == 0, 0, lengths[:, None] - positions)
+  real = positions < lengths[:, None]
+  counts = np.asarray([[keep_count(s, int(n)) for s in schedule] for n in lengths])
+  return (rank[:, None, :] < counts[:, :, None]) & real[:, None, :]
+
+
+def static_indices(schedule: Sequence[float], num_tokens: int) -> tuple[np.ndarray, ...]:
+  """Kept token indices per block, ascending, for unpadded rows of `num_tokens`: token 0
+  and the last `k_i - 1` tokens."""
+  out = []
+  for k in keep_counts(_check_schedule_values(schedule), num_tokens):
+    out.append(np.concatenate([[0], np.arange(num_tokens - k + 1, num_tokens)])[:k]
+               .astype(np.int32))
+  return tuple(out)
+
+
+def random_keep_mask(rng: jax.Array, schedule: Sequence[float], lengths: jax.Array,
+                     num_tokens: int) -> jax.Array:
+  """Random-selection baseline `[B, L, T]`: per block, token 0 plus `k_i - 1` tokens drawn
+  uniformly from the rest of each row's `lengths [B]` real tokens."""
+  schedule = _check_schedule_values(schedule)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  positions = jnp.arange(num_tokens)[None, :]
+  real = positions < lengths[:, None]
+  first = jnp.broadcast_to(positions == 0, real.shape)
+  masks = []
+  for i, s in enumerate(schedule):
+    score = jax.random.uniform(jax.random.fold_in(rng, i), real.shape)
+    counts = _count_table(s, num_tokens)[lengths]
+    masks.append(topk_keep(score, counts, real, first))
+  return jnp.stack(masks, axis=1)
+
+
+# ---------------------------------------------------------------------------- learnt
+
+def topk_keep(score: jax.Array, counts: jax.Array, eligible: jax.Array,
+              first: jax.Array) -> jax.Array:
+  """Per row, the `counts [B]` highest `score [B, T]` among `eligible [B, T]` tokens;
+  `first [B, T]` (token 0) ranks above everything. Returns keep `[B, T]` bool."""
+  score = score.astype(jnp.float32)
+  score = jnp.where(first, jnp.inf, score)
+  score = jnp.where(eligible, score, -jnp.inf)
+  order = jnp.argsort(-score, axis=-1, stable=True)
+  rank = jnp.argsort(order, axis=-1)
+  return (rank < counts[:, None]) & eligible
+
+
+def init_router(seed: int | jax.Array = 0, hidden: int = ROUTER_HIDDEN) -> dict:
+  """Router MLP params (a plain pytree): `w1 [F, hidden], b1 [hidden], w2 [hidden, 1],
+  b2 [1]`, LeCun-normal weights, zero biases."""
+  key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
+  k1, k2 = jax.random.split(key)
+  return {
+      "w1": jax.random.normal(k1, (ROUTER_FACTORS, hidden)) / np.sqrt(ROUTER_FACTORS),
+      "b1": jnp.zeros((hidden,)),
+      "w2": jax.random.normal(k2, (hidden, 1)) / np.sqrt(hidden),
+      "b2": jnp.zeros((1,)),
+  }
+
+
+def router_prob(router_params: Mapping[str, jax.Array], factors: jax.Array) -> jax.Array:
+  """Keep probability `[...]` of factors `[..., F]`: sigmoid(w2 . gelu(w1 . f + b1) + b2)."""
+  h = jax.nn.gelu(factors @ router_params["w1"] + router_params["b1"], approximate=False)
+  return jax.nn.sigmoid((h @ router_params["w2"] + router_params["b2"])[..., 0])
+
+
+def attention_score(ctx: BlockContext) -> jax.Array:
+  """f2 of every slot `[B, S]`: attention received (latest block) divided by the number of
+  queries that can attend to it (`seq_len - slot`), so values are comparable across
+  positions and lengths; -inf outside the sequence."""
+  slots = jnp.arange(ctx.in_seq.shape[1], dtype=jnp.int32)[None, :]
+  eligible = jnp.maximum(ctx.seq_len[:, None] - slots, 1).astype(jnp.float32)
+  return jnp.where(ctx.in_seq, ctx.table / eligible, -jnp.inf)
+
+
+def router_factors(ctx: BlockContext, sparsity) -> jax.Array:
+  """The four factors `[B, T, F]` of this call's tokens: position j/(L-1), attention score
+  (f2), relative rank of f2 in the sequence / L (0 = most attended), sparsity s_i.
+  `sparsity` is a float or `[N]` (then the result is `[B, T, N, F]`)."""
+  seq_len = ctx.seq_len[:, None].astype(jnp.float32)
+  position = ctx.positions.astype(jnp.float32) / jnp.maximum(seq_len - 1, 1)
+  score = attention_score(ctx)  # [B, S]
+  own = jnp.take_along_axis(score, jnp.clip(ctx.slots, 0, score.shape[1] - 1), axis=1)
+  own = jnp.where(jnp.isfinite(own), own, 0.0)
+  above = (score[:, None, :] > own[:, :, None]) & ctx.in_seq[:, None, :]
+  rank = jnp.sum(above, axis=-1).astype(jnp.float32) / seq_len
+  base = jnp.stack([position, own, rank], axis=-1)  # [B, T, 3]
+  sparsity = jnp.asarray(sparsity, jnp.float32)
+  if sparsity.ndim == 0:
+    return jnp.concatenate([base, jnp.broadcast_to(sparsity, base.shape[:2] + (1,))], -1)
+  base = jnp.broadcast_to(base[:, :, None], base.shape[:2] + sparsity.shape + (3,))
+  s = jnp.broadcast_to(sparsity[:, None], base.shape[:3] + (1,))
+  return jnp.concatenate([base, s], axis=-1)
+
+
+def _decide(prob: jax.Array, sparsity: float, ctx: BlockContext, mode: str,
+            threshold: float) -> jax.Array:
+  """Hard keep `[B, T]` from probabilities `[B, T]` for one block."""
+  first = ctx.positions == 0
+  if sparsity == 0.0:
+    return ctx.real
+  if mode == "topk":
+    counts = _count_table(sparsity, ctx.real.shape[1])[ctx.num_real]
+    return topk_keep(prob, counts, ctx.real, first)
+  return ((prob >= threshold) | first) & ctx.real
+
+
+def dynamic_route(router_params: Mapping[str, jax.Array], schedule: Sequence[float],
+                  mode: str = "topk", threshold: float = 0.5) -> Route:
+  """The per-block learnt router. "topk": block i keeps the `ceil((1 - s_i) n)` highest
+  probabilities among each row's n real tokens of this call (prefill); "threshold": keeps
+  tokens with p >= threshold (decode). Gates are straight-through."""
+  schedule = _check_schedule_values(schedule)
+  _check_mode(mode)
+
+  def route(ctx: BlockContext, carry):
+    s = _layer_sparsity(schedule, ctx.layer)
+    prob = router_prob(router_params, router_factors(ctx, s))
+    keep = _decide(prob, s, ctx, mode, threshold)
+    return Decision(keep, straight_through(keep, prob), prob), carry
+
+  route.schedule = schedule
+  return route
+
+
+def one_pass_route(router_params: Mapping[str, jax.Array], schedule: Sequence[float],
+                   mode: str = "topk", threshold: float = 0.5) -> Route:
+  """The one-pass learnt router: block 0 by the static router (its prob is its 0/1
+  decision); at block 1 one MLP call on (position, block-0 attention, its rank, s_i) gives
+  every later block's probabilities, kept in the carry and replayed at each block."""
+  schedule = _check_schedule_values(schedule)
+  _check_mode(mode)
+  static = static_route(schedule)
+
+  def route(ctx: BlockContext, carry):
+    if ctx.layer == 0:
+      decision, _ = static(ctx, None)
+      return decision._replace(prob=decision.keep.astype(jnp.float32)), carry
+    if carry is None:
+      if ctx.layer != 1:
+        raise ValueError("one_pass_route must be called from block 0 on")
+      later = jnp.asarray(schedule[1:], jnp.float32)
+      carry = router_prob(router_params, router_factors(ctx, later))  # [B, T, N-1]
+    s = _layer_sparsity(schedule, ctx.layer)
+    prob = carry[:, :, ctx.layer - 1]
+    keep = _decide(prob, s, ctx, mode, threshold)
+    return Decision(keep, straight_through(keep, prob), prob), carry
+
+  route.schedule = schedule
+  return route

@@ -1,0 +1,83 @@
+"""Wall-clock comparison of dense and pruned prefill (one process, jitted, warmed up)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.models.llama import Llama, new_cache
+from jakiro_jax.prune.cache import new_pruned_cache
+from jakiro_jax.prune.flops import schedule_flops
+from jakiro_jax.prune.prefill import pruned_prefill_jit
+from jakiro_jax.prune.routers import init_router
+from jakiro_jax.prune.schedule import check_schedule, keep_counts, mean_sparsity
+from jakiro_jax.speculative.autoregressive import prefill as dense_prefill
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def dense_prefill_jit(params, tokens: jax.Array, cache, *, config: LlamaConfig):
+  """The AR loop's dense prefill of unpadded prompts `[B, T]`: `(logits [B, V], cache)`."""
+  lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+  logits, _, cache = dense_prefill(Llama(config), params, tokens, lengths, cache)
+  return logits, cache
+
+
+def _median_s(fn, repeats: int, warmup: int) -> tuple[float, list[float]]:
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times)), times
+
+
+def time_prefill(params, config: LlamaConfig, length: int, schedule: Sequence[float],
+                 batch: int = 1, repeats: int = 5, warmup: int = 1, router: str = "static",
+                 seed: int = 0) -> dict:
+  """Median seconds of the dense prefill and the gathered pruned prefill of random
+  prompts `[batch, length]` under `schedule`, alternating the two per repeat so drifts in
+  machine speed hit both alike. Returns a JSON-able report."""
+  schedule = check_schedule(schedule, config.num_layers)
+  if length < 1 or batch < 1 or repeats < 1 or warmup < 0:
+    raise ValueError("length, batch and repeats must be >= 1, warmup >= 0")
+  tokens = jnp.asarray(np.random.RandomState(seed).randint(
+      0, config.vocab_size, (batch, length)), jnp.int32)
+  router_params = None if router == "static" else init_router(seed)
+  dense_cache = new_cache(config, batch, length)
+  pruned_cache = new_pruned_cache(config, batch, length)
+
+  def dense():
+    return dense_prefill_jit(params, tokens, dense_cache, config=config)
+
+  def pruned():
+    return pruned_prefill_jit(params, router_params, tokens, pruned_cache, config=config,
+                              schedule=schedule, router=router)
+
+  for _ in range(warmup):  # compile both first
+    jax.block_until_ready(dense())
+    jax.block_until_ready(pruned())
+  dense_times, pruned_times = [], []
+  for _ in range(repeats):
+    dense_times.append(_median_s(dense, 1, 0)[0])
+    pruned_times.append(_median_s(pruned, 1, 0)[0])
+  dense_s, pruned_s = float(np.median(dense_times)), float(np.median(pruned_times))
+  flops = schedule_flops(config, schedule, length)
+  device = jax.devices()[0]
+  return {
+      "device_kind": device.device_kind, "platform": device.platform,
+      "length": length, "batch": batch, "router": router, "repeats": repeats,
+      "mean_sparsity": mean_sparsity(schedule), "schedule": list(schedule),
+      "kept_per_block": list(keep_counts(schedule, length)),
+      "dense_s": dense_s, "pruned_s": pruned_s,
+      "speedup": dense_s / pruned_s if pruned_s > 0 else float("nan"),
+      "dense_times_s": dense_times, "pruned_times_s": pruned_times,
+      "flops_ratio": flops["ratio"],
+  }

@@ -1,0 +1,201 @@
+"""Routers: static priority, dynamic top-k / threshold with straight-through gradients,
+the one-pass router, sparsity bookkeeping."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jakiro_jax.prune import model as pm
+from jakiro_jax.prune import routers
+from jakiro_jax.prune.cache import new_pruned_cache
+from jakiro_jax.prune.prefill import pruned_prefill_jit
+from jakiro_jax.prune.route import BlockContext
+from jakiro_jax.prune.schedule import (check_schedule, keep_count, keep_counts,
+                                       uniform_schedule)
+from test_prune_model import (arange_positions, random_params, routed_decode, routed_prefill,
+                              tiny_config, tokens_of)
+
+SCHEDULE = (0.0, 0.5, 0.88)
+B, T, S = 2, 10, 12
+
+
+@pytest.fixture(scope="module")
+def setup():
+  config = tiny_config()
+  return config, random_params(config, seed=11)
+
+
+def prefill(setup, kind, router_params=None, tokens=None, lengths=(T, T), mode="topk",
+            schedule=SCHEDULE):
+  config, params = setup
+  tokens = tokens_of(0, B, T) if tokens is None else tokens
+  return routed_prefill(params, router_params, tokens, jnp.asarray(lengths, jnp.int32),
+                        config=config, kind=kind, schedule=schedule, mode=mode, max_len=S)
+
+
+def test_keep_counts_round_up_without_float_noise():
+  assert keep_count(0.3, 10) == 7  # (1 - 0.3) * 10 = 7.000000000000001 in float64
+  assert keep_count(0.0, 10) == 10 and keep_count(0.95, 10) == 1 and keep_count(0.5, 0) == 0
+  assert keep_counts((0.0, 0.5, 0.7), 6) == (6, 3, 2)
+  schedule = uniform_schedule(30, 0.3)
+  assert schedule[0] == 0.0 and abs(sum(schedule) / 30 - 0.3) < 1e-12
+  with pytest.raises(ValueError, match="must lie in"):
+    keep_count(1.0, 4)
+  with pytest.raises(ValueError, match="has 3 entries, the model has 4 layers"):
+    check_schedule((0.1, 0.2, 0.3), 4)
+  with pytest.raises(ValueError, match=r"sparsity of block 1 is -0.1; it must lie in \[0, 1\)"):
+    check_schedule((0.1, -0.1, 0.3, 0.0), 4)
+  with pytest.raises(ValueError, match="needs"):
+    uniform_schedule(2, 0.6)
+
+
+def test_static_router_picks_the_priority_tokens_on_a_hand_example():
+  # L = 6: priority x0, x5, x4, x3, x2, x1; k = 6, 3, ceil(1.8) = 2.
+  # Padded row of 4 real tokens: priority x0, x3, x2, x1; k = 4, 2, ceil(1.2) = 2.
+  mask = routers.static_keep_mask((0.0, 0.5, 0.7), [6, 4], 6)
+  expected = np.array([
+      [[1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 1, 1], [1, 0, 0, 0, 0, 1]],
+      [[1, 1, 1, 1, 0, 0], [1, 0, 0, 1, 0, 0], [1, 0, 0, 1, 0, 0]]], bool)
+  np.testing.assert_array_equal(mask, expected)
+  assert [list(i) for i in routers.static_indices((0.0, 0.5, 0.7), 6)] == [
+      [0, 1, 2, 3, 4, 5], [0, 4, 5], [0, 5]]
+
+
+def test_static_route_in_the_forward_matches_the_mask_and_decodes_recent_tokens(setup):
+  config, params = setup
+  _, out = prefill(setup, "static", lengths=(10, 7))
+  np.testing.assert_array_equal(out.keep, routers.static_keep_mask(SCHEDULE, [10, 7], 10))
+  # decode: the new token is x_{L-1}, rank 1, kept while k_i >= 2:
+  # L = 11: k = 11, 6, ceil(1.32) = 2; L = 8: k = 8, 4, ceil(0.96) = 1
+  _, step = routed_decode(params, None, jnp.array([5, 7]), out.cache, config=config,
+                          kind="static", schedule=SCHEDULE)
+  np.testing.assert_array_equal(step.keep[:, :, 0], [[1, 1, 1], [1, 1, 0]])
+
+
+def test_achieved_sparsity_is_k_over_length_for_top_k_routers(setup):
+  expected = np.array(keep_counts(SCHEDULE, T)) / T
+  for kind, seed in (("static", None), ("dynamic", 0), ("one_pass", 1)):
+    router_params = None if seed is None else routers.init_router(seed)
+    _, out = prefill(setup, kind, router_params)
+    np.testing.assert_allclose(np.asarray(out.keep).mean(-1), np.tile(expected, (B, 1)))
+  mask = jax.jit(routers.random_keep_mask, static_argnums=(1, 3))(
+      jax.random.PRNGKey(0), SCHEDULE, jnp.array([T, T]), T)
+  np.testing.assert_allclose(np.asarray(mask).mean(-1), np.tile(expected, (B, 1)))
+  assert bool(mask[:, :, 0].all())
+
+
+def test_dynamic_top_k_keeps_the_k_most_probable_and_token_zero(setup):
+  _, out = prefill(setup, "dynamic", routers.init_router(3), tokens_of(2, B, T))
+  keep, prob = np.asarray(out.keep), np.asarray(out.prob)
+  assert prob.shape == (B, 3, T) and np.all((prob > 0) & (prob < 1))
+  np.testing.assert_array_equal(keep.sum(-1), np.tile(keep_counts(SCHEDULE, T), (B, 1)))
+  assert keep[:, :, 0].all()
+  for b in range(B):
+    for i in range(1, 3):
+      kept, skipped = prob[b, i, 1:][keep[b, i, 1:]], prob[b, i, 1:][~keep[b, i, 1:]]
+      assert kept.min() >= skipped.max()
+  # another router gives other probabilities
+  _, other = prefill(setup, "dynamic", routers.init_router(4), tokens_of(2, B, T))
+  assert not np.array_equal(np.asarray(other.prob), prob)
+
+
+def _position_router(cut: float, shift: float = 0.0) -> dict:
+  """p >= 0.5 exactly for relative positions j / (L - 1) >= cut (plus `shift` on the
+  logit)."""
+  hidden = routers.ROUTER_HIDDEN
+  w1 = jnp.zeros((routers.ROUTER_FACTORS, hidden)).at[0].set(1.0)
+  gelu_cut = jax.nn.gelu(jnp.float32(cut), approximate=False)
+  return {"w1": w1, "b1": jnp.zeros((hidden,)), "w2": jnp.full((hidden, 1), 20.0 / hidden),
+          "b2": jnp.array([-20.0 * gelu_cut + shift])}
+
+
+def test_threshold_mode_keeps_p_at_least_one_half(setup):
+  config, params = setup
+  _, out = prefill(setup, "dynamic", _position_router(0.5), mode="threshold")
+  keep, prob = np.asarray(out.keep), np.asarray(out.prob)
+  np.testing.assert_array_equal(keep[:, 0], True)  # s_0 = 0: every token
+  late = np.arange(T) / (T - 1) >= 0.5
+  late[0] = True  # token 0 always
+  for i in (1, 2):
+    np.testing.assert_array_equal(keep[:, i], np.tile(late, (B, 1)))
+    np.testing.assert_array_equal(keep[:, i, 1:], prob[:, i, 1:] >= 0.5)
+  # decode: the new token sits at j / (L - 1) = 1, kept by this router ...
+  _, step = routed_decode(params, _position_router(0.5), jnp.array([4, 5]), out.cache,
+                          config=config, kind="dynamic", schedule=SCHEDULE)
+  assert bool(step.keep.all())
+  # ... and skipped (except at the s = 0 block) by one whose p < 0.5 everywhere
+  _, step = routed_decode(params, _position_router(0.5, -50.0), jnp.array([4, 5]), out.cache,
+                          config=config, kind="dynamic", schedule=SCHEDULE)
+  np.testing.assert_array_equal(step.keep[:, :, 0], [[True, False, False]] * 2)
+  assert float(step.prob[:, 1:].max()) < 0.5
+  with pytest.raises(ValueError, match="route mode 'soft'"):
+    routers.dynamic_route(_position_router(0.5), SCHEDULE, "soft")
+
+
+def test_straight_through_gradient_reaches_the_router(setup):
+  config, params = setup
+  tokens = tokens_of(4, B, T)
+  lengths = jnp.full((B,), T, jnp.int32)
+
+  @jax.jit
+  def loss(router_params):
+    _, out = routed_prefill.__wrapped__(params, router_params, tokens, lengths,
+                                        config=config, kind="dynamic", schedule=SCHEDULE,
+                                        max_len=S)
+    return jnp.mean(out.features ** 2)
+
+  value, grads = jax.jit(jax.value_and_grad(loss))(routers.init_router(5))
+  norms = {name: float(jnp.linalg.norm(g)) for name, g in grads.items()}
+  assert np.isfinite(float(value)) and all(np.isfinite(n) for n in norms.values())
+  assert norms["w1"] > 0 and norms["w2"] > 0 and norms["b2"] > 0, norms
+
+
+def test_one_pass_router_reads_block_zero_attention_once(setup):
+  router_params = routers.init_router(6)
+  _, out = prefill(setup, "one_pass", router_params, tokens_of(5, B, T))
+
+  @jax.jit
+  def block_one_probs(router_params, valid, received):
+    positions = arange_positions(B, T)
+    full = jnp.full((B,), T, jnp.int32)
+    ctx = BlockContext(layer=1, positions=positions, slots=positions,
+                       real=jnp.ones((B, T), bool), num_real=full, seq_len=full,
+                       table=jnp.where(valid, received, 0.0)[:, :T],
+                       in_seq=jnp.ones((B, T), bool))
+    later = jnp.asarray(SCHEDULE[1:])
+    return routers.router_prob(router_params, routers.router_factors(ctx, later))
+
+  probs = block_one_probs(router_params, out.cache.valid[0], out.cache.received[0])
+  np.testing.assert_allclose(out.prob[:, 1:], jnp.moveaxis(probs, 2, 1), rtol=1e-5)
+  np.testing.assert_array_equal(out.keep[:, 0],
+                                routers.static_keep_mask(SCHEDULE, [T, T], T)[:, 0])
+
+
+def test_one_pass_prefill_compiles_once_per_schedule(setup):
+  config, params = setup
+  before = pruned_prefill_jit._cache_size()
+  for seed in range(3):  # new router params and prompts: no new compilation
+    pruned_prefill_jit(params, routers.init_router(seed), tokens_of(seed, B, T),
+                       new_pruned_cache(config, B, T), config=config, schedule=SCHEDULE,
+                       router="one_pass")
+  compiled = pruned_prefill_jit._cache_size()
+  assert compiled - before <= 1  # 0 when an earlier test compiled these shapes already
+  pruned_prefill_jit(params, routers.init_router(0), tokens_of(0, B, T),
+                     new_pruned_cache(config, B, T), config=config, schedule=(0.0, 0.2, 0.2),
+                     router="one_pass")
+  assert pruned_prefill_jit._cache_size() == compiled + 1
+
+
+def test_router_schedule_must_fit_the_model(setup):
+  config, params = setup
+  tokens = tokens_of(0, 1, 6)
+  with pytest.raises(ValueError, match="has 2 entries, the model has 3 layers"):
+    pm.prefill(params, config, tokens, new_pruned_cache(config, 1, 6),
+               routers.static_route((0.0, 0.1)))
+  with pytest.raises(ValueError, match="sparsity of block 2 is 1.0"):
+    routers.dynamic_route(routers.init_router(0), (0.0, 0.1, 1.0))
+  with pytest.raises(ValueError, match="lengths must be"):
+    routers.static_keep_mask(SCHEDULE, [0, 3], 3)
