@@ -91,8 +91,8 @@ def user_prefix_ids(target, system: str | None) -> list[int]:
   return target.tokenizer.encode(text[:text.index(marker)], add_special_tokens=False)
 
 
-def write_self_prompts(target, out_dir, count: int, settings: GenDataSettings
-                       ) -> list[tuple[str, str]]:
+def write_self_prompts(target, out_dir, count: int, settings: GenDataSettings,
+                       progress: bool = False) -> list[tuple[str, str]]:
   """`count` (prompt, kind) pairs the target writes itself (T = 1), stored once in the
   feature set so that a resumed run reuses them. Free prompts (kind "self") continue the
   chat template's user prefix; steered ones answer `prompt_mix.SELF_PROMPT_KINDS`."""
@@ -103,7 +103,7 @@ def write_self_prompts(target, out_dir, count: int, settings: GenDataSettings
     if len(records) == count:
       return [(r["turns"][0], r["category"]) for r in records]
   if settings.self_prompt_kinds:
-    pairs = _steered_prompts(target, count, settings)
+    pairs = _steered_prompts(target, count, settings, progress)
   else:
     pairs = [(p, "self") for p in _free_prompts(target, count, settings)]
   tmp = path + ".tmp"
@@ -131,21 +131,25 @@ def _free_prompts(target, count: int, settings: GenDataSettings) -> list[str]:
   return prompts
 
 
-def _steered_prompts(target, count: int, settings: GenDataSettings) -> list[tuple[str, str]]:
-  """Slot i asks the target for a request of kind i % kinds on a seeded topic; slots whose
-  answer is unfinished or too short are asked again with a new seed."""
+def _steered_prompts(target, count: int, settings: GenDataSettings, progress: bool
+                     ) -> list[tuple[str, str]]:
+  """Slot i asks the target for a request of kind i % kinds on a seeded topic (sampled
+  with `prompt_mix.STEERED_SAMPLING`); slots whose answer is unfinished or too short are
+  asked again with a new seed."""
   plan = prompt_mix.steering_plan(count, settings.self_prompt_kinds, settings.seed)
   asks = [target.chat_prompt(prompt_mix.SELF_PROMPT_KINDS[kind].format(topic=topic),
                              settings.system_prompt) for kind, topic in plan]
+  from tqdm import tqdm
+
   filled: dict[int, str] = {}
+  bar = tqdm(total=count, desc="self-written prompts", unit="prompt", disable=not progress)
   for attempt in range(20):
     todo = [i for i in range(count) if i not in filled]
     if not todo:
       break
     for start in range(0, len(todo), settings.batch_size):
       slots = todo[start:start + settings.batch_size]
-      out = generate_ar(target, [asks[i] for i in slots], 160,
-                        SamplingConfig(temperature=1.0),
+      out = generate_ar(target, [asks[i] for i in slots], 160, prompt_mix.STEERED_SAMPLING,
                         seed=(settings.seed * 7919 + attempt) * 100_003 + start)
       for i, tokens in zip(slots, out.tokens):
         text = target.decode(tokens).strip().strip('"').strip()
@@ -154,6 +158,8 @@ def _steered_prompts(target, count: int, settings: GenDataSettings) -> list[tupl
         if tokens and tokens[-1] in target.stop_ids and len(text) >= shortest:
           filled[i] = prompt_mix.wrap_passage(kind, text,
                                                  i // len(settings.self_prompt_kinds))
+          bar.update()
+  bar.close()
   if len(filled) < count:
     raise RuntimeError(f"the target wrote only {len(filled)} usable prompts of {count}")
   return [(filled[i], plan[i][0]) for i in range(count)]
@@ -276,7 +282,7 @@ def make_feature_set(target, prompts: Sequence[str], out_dir, settings: GenDataS
   data.write_meta(out_dir, meta)
   sources = prompt_sources(records, len(prompts))
   if self_prompts:
-    written = write_self_prompts(target, out_dir, self_prompts, settings)
+    written = write_self_prompts(target, out_dir, self_prompts, settings, progress)
     prompts = list(prompts) + [p for p, _ in written]
     sources += [f"self/{kind}" for _, kind in written]
   if settings.dedup or excluded:

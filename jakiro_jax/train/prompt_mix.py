@@ -17,6 +17,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jakiro_jax.speculative.sampling import SamplingConfig
+
 SHINGLE_WORDS = 5
 # Shorter texts compare whole (too few shingles to measure overlap).
 MIN_SHINGLES = 3
@@ -110,9 +112,10 @@ def clean_prompts(prompts: Sequence[str], excluded: Sequence[str] = (),
   return kept, {"duplicates_dropped": duplicates, "evaluation_overlaps_dropped": overlaps}
 
 
-# Steered self-written prompts: the target, asked as a user, writes a request of each kind
-# (sampled at T = 1); kinds marked with a passage first write a passage on the topic and
-# wrap it in the task.
+# Steered self-written prompts: the target, asked as a user, writes a request of each kind;
+# kinds with a passage task write a passage on the topic, which is wrapped in the task.
+# Sampled below T = 1: a small target's T = 1 requests drift off the kind and topic.
+STEERED_SAMPLING = SamplingConfig(temperature=0.8, top_p=0.95)
 SELF_PROMPT_KINDS: Mapping[str, str] = {
     "code": "Write one programming task about {topic} that a user could ask an AI "
             "assistant to solve in Python. Reply with the task only.",
