@@ -12,7 +12,7 @@ from jakiro_jax.prune.flops import block_flops, schedule_flops
 from jakiro_jax.prune.prefill import kept_indices, make_route, prefill_gathered, pruned_prefill_jit
 from jakiro_jax.prune.schedule import keep_counts
 from jakiro_jax.prune.timing import time_prefill
-from test_prune_model import (TOL, arange_positions, decode_mask, forward_mask, gathered_mask,
+from test_prune_model import (TOL, arange_positions, decode_mask, dense, forward_mask, gathered_mask,
                               prefill_mask, random_params, routed_prefill,
                               tiny_config, tokens_of)
 
@@ -101,6 +101,9 @@ def test_gathered_prefill_rejects_bad_input(setup):
   with pytest.raises(ValueError, match="has 2 entries, the model has 3 layers"):
     prefill_gathered(params, config, tokens, new_pruned_cache(config, 1, 6),
                      routers.static_route(SCHEDULE), (0.0, 0.1))
+  with pytest.raises(ValueError, match="the route's schedule .* differs"):
+    prefill_gathered(params, config, tokens, new_pruned_cache(config, 1, 6),
+                     routers.static_route((0.0, 0.1, 0.1)), SCHEDULE)
   with pytest.raises(ValueError, match="cache has 4 slots, the prompt 6 tokens"):
     prefill_gathered(params, config, tokens, new_pruned_cache(config, 1, 4),
                      routers.static_route(SCHEDULE), SCHEDULE)
@@ -135,3 +138,28 @@ def test_time_prefill_reports_both_paths(setup):
   assert report["dense_s"] > 0 and report["pruned_s"] > 0
   assert report["kept_per_block"] == list(keep_counts(SCHEDULE, T))
   assert 0 < report["flops_ratio"] < 1 and report["speedup"] > 0
+
+
+@pytest.mark.slow
+def test_smollm2_keep_all_is_dense_and_gathered_equals_masked(smollm2):
+  from jakiro_jax.prune.schedule import uniform_schedule
+
+  config, params = smollm2.config, smollm2.params
+  tokens = tokens_of(0, 1, 64, config.vocab_size)
+  positions = arange_positions(1, 64)
+  dense_logits, _, _ = dense(params, config, tokens, positions, 64)  # jitted, as ours
+  keep_all = jnp.ones((1, config.num_layers, 64), bool)
+  out = forward_mask(params, config=config, tokens=tokens, positions=positions,
+                     cache=new_pruned_cache(config, 1, 64), route=keep_all)
+  np.testing.assert_allclose(out.logits, dense_logits, atol=1e-4, rtol=1e-4)
+
+  schedule = uniform_schedule(config.num_layers, 0.3)
+  logits, masked = prefill_mask(params, config=config, tokens=tokens,
+                                cache=new_pruned_cache(config, 1, 64),
+                                route=jnp.asarray(routers.static_keep_mask(schedule, [64], 64)))
+  g_logits, gathered = pruned_prefill_jit(params, None, tokens, new_pruned_cache(config, 1, 64),
+                                          config=config, schedule=schedule)
+  np.testing.assert_array_equal(gathered.keep, masked.keep)
+  np.testing.assert_allclose(g_logits, logits, atol=1e-3, rtol=1e-3)
+  # and pruning does change the output
+  assert float(jnp.abs(logits - dense_logits[:, -1]).max()) > 1e-3

@@ -5,8 +5,8 @@ Axis letters as in `jakiro_jax.models.llama`; k_i = kept tokens of block i (stat
 For a fixed schedule every block keeps exactly `k_i = ceil((1 - s_i) T)` tokens of each
 unpadded row, so each block gathers `[B, k_i, D]`, runs attention over the kept set only
 (`[k_i, k_i]` scores) and the MLP on k_i rows, writes K/V of the kept tokens into their own
-slots of the layer-wise cache (marked valid), and scatters the updates back into the
-residual stream. Shapes depend only on (T, schedule): one compilation per schedule. The
+slots of the layer-wise cache (marked valid; the cache starts empty, so this call owns
+slots 0..T-1), and scatters the updates back into the residual stream. Shapes depend only on (T, schedule): one compilation per schedule. The
 decisions come from any route (static, dynamic, one-pass, fixed); a route keeping fewer
 than k_i tokens of a row leaves the extra gathered rows masked out (no K/V, no update).
 Outputs and cache equal the masked-dense `prune.model.forward` under the same decisions
@@ -97,6 +97,10 @@ def prefill_gathered(params, config: LlamaConfig, tokens: jax.Array, cache: Prun
   if cache.max_len < num_new:
     raise ValueError(f"cache has {cache.max_len} slots, the prompt {num_new} tokens")
   route = as_route(route, batch, config.num_layers, num_new)
+  own = getattr(route, "schedule", None)
+  if own is not None and tuple(own) != schedule:
+    raise ValueError(f"the route's schedule {tuple(own)} differs from the prefill's "
+                     f"{schedule}: its top-k would keep other counts than k_i")
   cache = cache.replace(lengths=jnp.zeros((batch,), jnp.int32))
   slots, real, num_real, seq_len, in_seq = call_context(cache, positions, None)
   table = jnp.zeros((batch, cache.max_len), jnp.float32)
