@@ -143,7 +143,7 @@ def topk_keep(score: jax.Array, counts: jax.Array, eligible: jax.Array,
 def init_router(seed: int | jax.Array = 0, hidden: int = ROUTER_HIDDEN) -> dict:
   """Router MLP params (a plain pytree): `w1 [F, hidden], b1 [hidden], w2 [hidden, 1],
   b2 [1]`, LeCun-normal weights, zero biases."""
-  key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
+  key = jax.random.PRNGKey(int(seed)) if isinstance(seed, (int, np.integer)) else seed
   k1, k2 = jax.random.split(key)
   return {
       "w1": jax.random.normal(k1, (ROUTER_FACTORS, hidden)) / np.sqrt(ROUTER_FACTORS),
