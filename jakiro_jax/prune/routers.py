@@ -243,3 +243,73 @@ def one_pass_route(router_params: Mapping[str, jax.Array], schedule: Sequence[fl
 
   route.schedule = schedule
   return route
+
+
+# ------------------------------------------------------------------ array-driven routes
+# The routes above take the schedule as Python floats (a static jit argument: one
+# compilation per schedule). A search evaluates hundreds of schedules, so these take it as
+# arrays: `sparsity [N]` float32 and `counts [N, M + 1]` int32 = `count_tables(schedule,
+# M)`, the exact `keep_count` rounding for every length 0..M. Same decisions as the
+# Python-schedule routes.
+
+def count_tables(schedule: Sequence[float], max_length: int) -> np.ndarray:
+  """`[N, max_length + 1]` int32: `keep_count(s_i, n)` for every block and n."""
+  schedule = _check_schedule_values(schedule)
+  return np.asarray([[keep_count(s, n) for n in range(max_length + 1)] for s in schedule],
+                    np.int32)
+
+
+def array_static_route(counts: jax.Array) -> Route:
+  """`static_route` with traced counts `[N, S + 1]` (S = cache slots)."""
+
+  def route(ctx: BlockContext, carry):
+    k = counts[ctx.layer][ctx.seq_len]  # [B]
+    keep = static_rank(ctx.positions, ctx.seq_len) < k[:, None]
+    return Decision(keep & ctx.real), carry
+
+  return route
+
+
+def array_dynamic_route(router_params: Mapping[str, jax.Array], sparsity: jax.Array,
+                        counts: jax.Array, mode: str = "topk",
+                        threshold: float = 0.5) -> Route:
+  """`dynamic_route` with a traced schedule: sparsity `[N]`, counts `[N, T + 1]` (T =
+  tokens of the call; only "topk" reads them)."""
+  _check_mode(mode)
+
+  def route(ctx: BlockContext, carry):
+    s = sparsity[ctx.layer]
+    prob = router_prob(router_params, router_factors(ctx, s))
+    first = ctx.positions == 0
+    if mode == "topk":
+      # A dense block's count is every real token, so top-k keeps them all.
+      keep = topk_keep(prob, counts[ctx.layer][ctx.num_real], ctx.real, first)
+    else:
+      keep = jnp.where(s == 0.0, ctx.real, ((prob >= threshold) | first) & ctx.real)
+    return Decision(keep, straight_through(keep, prob), prob), carry
+
+  return route
+
+
+def block_route(block_keep: jax.Array) -> Route:
+  """Every real token computes block i iff `block_keep [N]` bool (ShortGPT removal: a
+  removed block is skipped by every token, which equals deleting it)."""
+
+  def route(ctx: BlockContext, carry):
+    return Decision(ctx.real & block_keep[ctx.layer]), carry
+
+  return route
+
+
+def random_route(rng: jax.Array, sparsity: jax.Array) -> Route:
+  """Decode-time random baseline: a token computes block i with probability 1 - s_i
+  (token 0 always), drawn from (rng, block, position) so reruns agree."""
+
+  def route(ctx: BlockContext, carry):
+    key = jax.random.fold_in(rng, ctx.layer)
+    u = jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(key, p)))(
+        ctx.positions.reshape(-1)).reshape(ctx.positions.shape)
+    keep = ((u >= sparsity[ctx.layer]) | (ctx.positions == 0)) & ctx.real
+    return Decision(keep), carry
+
+  return route

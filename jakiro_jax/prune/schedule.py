@@ -70,3 +70,15 @@ def uniform_schedule(num_layers: int, sparsity: float, dense_first: bool = True
 def mean_sparsity(schedule: Sequence[float]) -> float:
   """The budget a schedule spends: the mean of its block sparsities."""
   return sum(schedule) / len(schedule)
+
+
+# A global budget leaves every block room to compute some tokens (s_max = 0.9).
+MAX_BUDGET = 0.9
+
+
+def check_budget(budget: float) -> float:
+  """The global mean sparsity as a float; a clear error outside [0, MAX_BUDGET)."""
+  budget = float(budget)
+  if not (math.isfinite(budget) and 0.0 <= budget < MAX_BUDGET):
+    raise ValueError(f"budget {budget} must lie in [0, {MAX_BUDGET})")
+  return budget

@@ -1,0 +1,460 @@
+"""Evaluation of a token-pruned target against the dense one.
+
+Axis letters: B batch, T tokens, L layers (blocks), V vocab, N = L schedule entries.
+
+A `Method` names how blocks pick their tokens: "dense"; "static" (position priority under a
+schedule); "dynamic" (the learnt router: top-k in prefill, p >= 0.5 in decode); "random"
+(seeded uniform selection of the same counts); "shortgpt" (whole blocks removed: every
+token skips them). Every method runs through `prune.model.forward` with traced inputs (a
+keep mask, or a schedule as arrays), so one compilation serves all schedules of a shape.
+
+Metrics over right-padded rows `tokens [B, T]`, `lengths [B]` (positions past a row's
+length are ignored everywhere):
+  nll / perplexity   next-token negative log-likelihood of the row's own text, all positions
+  kl                 KL(dense || pruned) of the next-token distributions, all positions and
+                     the last one (the row's next token after its text)
+  top1               agreement of the argmax with the dense model's, all / last position
+  sparsity           mean over blocks of the skipped fraction of real tokens (from `keep`)
+  greedy agreement   first `num_new` greedy tokens of KV-cache decode vs the dense model's
+  MC accuracy        log-likelihood multiple choice (`score_mc`)
+
+Text: `calibration_rows` packs chat-template user turns into full rows; `article_rows` cuts
+natural text; `question_rows` right-pads chat-template questions. Files are read by path at
+run time; a missing file is a FileNotFoundError naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.prune import model as pm
+from jakiro_jax.prune import routers
+from jakiro_jax.prune.cache import new_pruned_cache
+from jakiro_jax.prune.flops import block_flops, schedule_flops
+from jakiro_jax.prune.route import fixed_route
+from jakiro_jax.prune.schedule import check_schedule, mean_sparsity
+
+METHOD_KINDS = ("dense", "static", "dynamic", "random", "shortgpt")
+
+
+# ---------------------------------------------------------------------------- text
+
+def read_jsonl(path: str) -> list[dict]:
+  """Rows of a .jsonl file; a clear error for a missing or corrupt file."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no such data file {path}")
+  rows = []
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      if line.strip():
+        try:
+          rows.append(json.loads(line))
+        except ValueError:
+          raise ValueError(f"{path}:{number} is not valid JSON") from None
+  return rows
+
+
+def first_turn(row: Mapping[str, Any]) -> str:
+  turns = row.get("turns")
+  if not turns or not isinstance(turns[0], str):
+    raise ValueError(f"row {row.get('id', row.get('question_id'))!r} has no text turn")
+  return turns[0]
+
+
+def calibration_rows(target, path: str, num_rows: int, length: int, seed: int = 0
+                     ) -> np.ndarray:
+  """`[num_rows, length]` int32: user turns of `path` (a seeded shuffle of its prompts)
+  under the chat template, concatenated and cut into full rows (no padding: every position
+  counts, shapes stay static)."""
+  prompts = read_jsonl(path)
+  order = np.random.RandomState(seed).permutation(len(prompts))
+  stream: list[int] = []
+  for i in order:
+    stream.extend(target.chat_prompt(first_turn(prompts[i])))
+    if len(stream) >= num_rows * length:
+      break
+  if len(stream) < num_rows * length:
+    raise ValueError(f"{path} holds {len(stream)} tokens, {num_rows} x {length} needed")
+  return np.asarray(stream[:num_rows * length], np.int32).reshape(num_rows, length)
+
+
+def article_rows(target, path: str, num_rows: int, length: int) -> np.ndarray:
+  """`[num_rows, length]` int32: the first `length` tokens of the first `num_rows` texts
+  of `path` that are at least that long (plain text, no chat template)."""
+  out = []
+  for row in read_jsonl(path):
+    ids = target.tokenizer.encode(first_turn(row), add_special_tokens=False)
+    if len(ids) >= length:
+      out.append(ids[:length])
+    if len(out) == num_rows:
+      break
+  if len(out) < num_rows:
+    raise ValueError(f"{path} has {len(out)} texts of >= {length} tokens, {num_rows} needed")
+  return np.asarray(out, np.int32)
+
+
+def question_rows(target, paths: Sequence[str], per_file: int, length: int, pad_id: int = 0
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """Chat-template questions (the first `per_file` of each file), right-padded to
+  `length`: (tokens `[B, length]` int32, lengths `[B]` int32); longer ones are cut."""
+  tokens, lengths = [], []
+  for path in paths:
+    for row in read_jsonl(path)[:per_file]:
+      ids = target.chat_prompt(first_turn(row))[:length]
+      lengths.append(len(ids))
+      tokens.append(ids + [pad_id] * (length - len(ids)))
+  return np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
+
+
+# --------------------------------------------------------------------------- methods
+
+class Method(NamedTuple):
+  """How the pruned model picks tokens. `schedule`: N floats (None for dense/shortgpt);
+  `router`: dynamic router params; `seed`: random baseline; `removed`: ShortGPT blocks."""
+  name: str
+  kind: str
+  schedule: tuple[float, ...] | None = None
+  router: Mapping[str, Any] | None = None
+  seed: int = 0
+  removed: tuple[int, ...] = ()
+
+
+def check_method(method: Method, num_layers: int) -> None:
+  if method.kind not in METHOD_KINDS:
+    raise ValueError(f"method kind {method.kind!r} is not one of {METHOD_KINDS}")
+  if method.kind in ("static", "dynamic", "random"):
+    if method.schedule is None:
+      raise ValueError(f"method {method.name!r} ({method.kind}) needs a schedule")
+    check_schedule(method.schedule, num_layers)
+  if method.kind == "dynamic" and method.router is None:
+    raise ValueError(f"method {method.name!r} (dynamic) needs router params")
+  bad = [b for b in method.removed if not 0 <= b < num_layers]
+  if bad:
+    raise ValueError(f"method {method.name!r} removes blocks {bad} outside 0..{num_layers - 1}")
+
+
+def block_mask(num_layers: int, removed: Sequence[int]) -> np.ndarray:
+  """`[N]` bool, False at removed blocks."""
+  keep = np.ones((num_layers,), bool)
+  keep[list(removed)] = False
+  return keep
+
+
+def keep_mask(method: Method, num_layers: int, lengths: np.ndarray, num_tokens: int
+              ) -> np.ndarray:
+  """Prefill keep mask `[B, L, T]` of a mask method (all but dynamic)."""
+  lengths = np.asarray(lengths)
+  real = np.arange(num_tokens)[None, :] < lengths[:, None]  # [B, T]
+  if method.kind == "dense":
+    return np.broadcast_to(real[:, None], (len(lengths), num_layers, num_tokens)).copy()
+  if method.kind == "shortgpt":
+    return real[:, None, :] & block_mask(num_layers, method.removed)[None, :, None]
+  if method.kind == "static":
+    return routers.static_keep_mask(method.schedule, lengths, num_tokens)
+  if method.kind == "random":
+    rng = jax.random.PRNGKey(method.seed)
+    return np.asarray(routers.random_keep_mask(rng, method.schedule, lengths, num_tokens))
+  raise ValueError(f"method {method.name!r} ({method.kind}) has no fixed keep mask")
+
+
+def method_flops(config: LlamaConfig, method: Method, length: int) -> float:
+  """Block FLOPs of the method over one `length`-token sequence / the dense model's."""
+  if method.kind == "dense":
+    return 1.0
+  if method.kind == "shortgpt":
+    dense = block_flops(config, length)["total"]
+    return (config.num_layers - len(set(method.removed))) * dense / (config.num_layers * dense)
+  return schedule_flops(config, method.schedule, length)["ratio"]
+
+
+# --------------------------------------------------------------------------- metrics
+
+def _positions(tokens: jax.Array) -> jax.Array:
+  batch, num = tokens.shape
+  return jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
+
+
+def pruned_forward(params, config: LlamaConfig, tokens: jax.Array, lengths: jax.Array,
+                   keep: jax.Array | None = None, router=None, sparsity=None, counts=None,
+                   compute_logits: bool = True) -> pm.PrunedOutput:
+  """One prefill-style forward from an empty cache: by a keep mask `[B, L, T]`, or (keep
+  None) by the dynamic router in top-k mode with the schedule as arrays."""
+  batch, num = tokens.shape
+  cache = new_pruned_cache(config, batch, num)
+  if keep is None:
+    route = routers.array_dynamic_route(router, sparsity, counts, "topk")
+  else:
+    route = fixed_route(keep)
+  return pm.forward(params, config, tokens, _positions(tokens), cache, route, lengths,
+                    compute_logits)
+
+
+def token_stats(dense_logp: jax.Array, logits: jax.Array, tokens: jax.Array,
+                lengths: jax.Array) -> dict:
+  """Per-position comparison with the dense model.
+
+  dense_logp `[B, T, V]` (log-softmax), logits `[B, T, V]`, tokens `[B, T]`, lengths `[B]`.
+  Returns nll `[B, T]` (of token t + 1; 0 where t + 1 >= length), kl `[B, T]`,
+  top1 `[B, T]` float (argmax equal), real `[B, T]` bool, next `[B, T]` bool (t + 1 real).
+  """
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  num = tokens.shape[1]
+  t = jnp.arange(num)[None, :]
+  real = t < lengths[:, None]
+  nxt = (t + 1) < lengths[:, None]
+  following = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+  nll = -jnp.take_along_axis(logp, following[..., None], axis=-1)[..., 0]
+  kl = jnp.sum(jnp.exp(dense_logp) * (dense_logp - logp), axis=-1)
+  top1 = (jnp.argmax(logp, -1) == jnp.argmax(dense_logp, -1)).astype(jnp.float32)
+  return {"nll": jnp.where(nxt, nll, 0.0), "kl": jnp.where(real, kl, 0.0),
+          "top1": jnp.where(real, top1, 0.0), "real": real, "next": nxt}
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def dense_logprobs(params, tokens, lengths, *, config: LlamaConfig) -> jax.Array:
+  """Dense model's next-token log-probabilities `[B, T, V]` (every block keeps all)."""
+  keep = jnp.broadcast_to((jnp.arange(tokens.shape[1])[None, :] < lengths[:, None])[:, None],
+                          (tokens.shape[0], config.num_layers, tokens.shape[1]))
+  out = pruned_forward(params, config, tokens, lengths, keep=keep)
+  return jax.nn.log_softmax(out.logits, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def compare_batch(params, router, sparsity, counts, keep, dense_logp, tokens, lengths, *,
+                  config: LlamaConfig) -> dict:
+  """`token_stats` of one batch plus the decisions `keep [B, L, T]`; `keep` None = the
+  dynamic router (router, sparsity `[N]`, counts `[N, T + 1]`)."""
+  out = pruned_forward(params, config, tokens, lengths, keep, router, sparsity, counts)
+  stats = token_stats(dense_logp, out.logits, tokens, lengths)
+  stats["keep"] = out.keep
+  return stats
+
+
+def achieved_sparsity(keep: np.ndarray, lengths: np.ndarray) -> float:
+  """Mean over blocks of the skipped fraction of real tokens: keep `[B, L, T]`, lengths
+  `[B]` (padding never counts)."""
+  keep = np.asarray(keep)
+  real = np.arange(keep.shape[2])[None, :] < np.asarray(lengths)[:, None]
+  kept = (keep & real[:, None, :]).sum(axis=(0, 2))  # [L]
+  return float(np.mean(1.0 - kept / real.sum()))
+
+
+def schedule_arrays(method: Method, num_layers: int, max_length: int):
+  """(sparsity `[N]` float32, counts `[N, max_length + 1]` int32) of a method's schedule."""
+  schedule = method.schedule if method.schedule is not None else (0.0,) * num_layers
+  return (jnp.asarray(schedule, jnp.float32),
+          jnp.asarray(routers.count_tables(schedule, max_length)))
+
+
+def compare(params, config: LlamaConfig, methods: Sequence[Method], tokens: np.ndarray,
+            lengths: np.ndarray | None = None, batch_size: int = 8) -> dict:
+  """Held-out metrics of every method over rows `tokens [R, T]` (right-padded to
+  `lengths [R]`, None = full rows), against the dense model, batch by batch.
+
+  Returns {method name: {"perplexity", "nll", "kl", "kl_last", "top1", "top1_last",
+  "sparsity", "flops_ratio", "tokens"}}."""
+  tokens = np.asarray(tokens, np.int32)
+  num_rows, num = tokens.shape
+  lengths = (np.full((num_rows,), num, np.int32) if lengths is None
+             else np.asarray(lengths, np.int32))
+  for m in methods:
+    check_method(m, config.num_layers)
+  sums = {m.name: dict(nll=0.0, kl=0.0, kl_last=0.0, top1=0.0, top1_last=0.0, keep=[])
+          for m in methods}
+  for start in range(0, num_rows, batch_size):
+    tok = jnp.asarray(tokens[start:start + batch_size])
+    lens = jnp.asarray(lengths[start:start + batch_size])
+    if tok.shape[0] < batch_size:  # one shape: pad the last batch with repeated rows
+      pad = batch_size - tok.shape[0]
+      tok = jnp.concatenate([tok, jnp.repeat(tok[-1:], pad, 0)])
+      lens = jnp.concatenate([lens, jnp.repeat(lens[-1:], pad, 0)])
+    rows = min(batch_size, num_rows - start)
+    dense = dense_logprobs(params, tok, lens, config=config)
+    last = np.asarray(lens)[:rows] - 1
+    for m in methods:
+      sparsity, counts = schedule_arrays(m, config.num_layers, num)
+      keep = (None if m.kind == "dynamic"
+              else jnp.asarray(keep_mask(m, config.num_layers, np.asarray(lens), num)))
+      stats = jax.device_get(compare_batch(params, m.router, sparsity, counts, keep, dense,
+                                           tok, lens, config=config))
+      s = sums[m.name]
+      s["nll"] += float(stats["nll"][:rows].sum())
+      s["kl"] += float(stats["kl"][:rows].sum())
+      s["top1"] += float(stats["top1"][:rows].sum())
+      s["kl_last"] += float(stats["kl"][np.arange(rows), last].sum())
+      s["top1_last"] += float(stats["top1"][np.arange(rows), last].sum())
+      s["keep"].append(stats["keep"][:rows])
+  real = int(lengths.sum())
+  predicted = int(np.maximum(lengths - 1, 0).sum())
+  report = {}
+  for m in methods:
+    s = sums[m.name]
+    keep = np.concatenate(s["keep"])
+    report[m.name] = {
+        "kind": m.kind,
+        "nll": s["nll"] / predicted,
+        "perplexity": float(np.exp(s["nll"] / predicted)),
+        "kl": s["kl"] / real, "kl_last": s["kl_last"] / num_rows,
+        "top1": s["top1"] / real, "top1_last": s["top1_last"] / num_rows,
+        "sparsity": achieved_sparsity(keep, lengths),
+        "budget": (mean_sparsity(m.schedule) if m.schedule is not None
+                   else len(m.removed) / config.num_layers),
+        "flops_ratio": method_flops(config, m, num),
+        "tokens": real,
+    }
+  return report
+
+
+# --------------------------------------------------------------------------- greedy
+
+def _decode_route(kind: str, router, sparsity, counts, block_keep, rng):
+  if kind == "dynamic":
+    return routers.array_dynamic_route(router, sparsity, counts, "threshold")
+  if kind == "static":
+    return routers.array_static_route(counts)
+  if kind == "random":
+    return routers.random_route(rng, sparsity)
+  return routers.block_route(block_keep)  # dense, shortgpt
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kind", "num_new"))
+def greedy_generate(params, router, sparsity, counts, prefill_keep, block_keep, rng,
+                    prompt, lengths, *, config: LlamaConfig, kind: str, num_new: int):
+  """Greedy tokens `[B, num_new]` after right-padded prompts `[B, P]` (`lengths [B]`),
+  KV-cache decode. Prefill: the keep mask `prefill_keep [B, L, P]` or (dynamic) the router
+  in top-k mode; decode: dynamic p >= 0.5, static rule of `array_static_route` (counts
+  `[N, P + num_new + 1]`), random per-token draw, or the block mask `block_keep [N]`.
+  Also returns the decode keep decisions `[B, L, num_new]` bool."""
+  batch, num_prompt = prompt.shape
+  cache = new_pruned_cache(config, batch, num_prompt + num_new)
+  if kind == "dynamic":
+    route = routers.array_dynamic_route(router, sparsity, counts, "topk")
+  else:
+    route = fixed_route(prefill_keep)
+  logits, out = pm.prefill(params, config, prompt, cache, route, lengths)
+  decode = _decode_route(kind, router, sparsity, counts, block_keep, rng)
+
+  def step(carry, _):
+    cache, logits = carry
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits, out = pm.decode_step(params, config, token, cache, decode)
+    return (out.cache, logits), (token, out.keep[:, :, 0])
+
+  _, (tokens, keeps) = jax.lax.scan(step, (out.cache, logits), None, length=num_new)
+  return tokens.T, jnp.transpose(keeps, (1, 2, 0))
+
+
+def generate(params, config: LlamaConfig, method: Method, prompt: np.ndarray,
+             lengths: np.ndarray, num_new: int) -> tuple[np.ndarray, np.ndarray]:
+  """(greedy tokens `[B, num_new]`, decode keep `[B, L, num_new]`) of a method."""
+  check_method(method, config.num_layers)
+  num_prompt = prompt.shape[1]
+  sparsity, counts = schedule_arrays(method, config.num_layers, num_prompt + num_new)
+  if method.kind == "dynamic":
+    prefill_keep = jnp.zeros((prompt.shape[0], config.num_layers, num_prompt), bool)
+  else:
+    prefill_keep = jnp.asarray(keep_mask(method, config.num_layers, lengths, num_prompt))
+  block_keep = jnp.asarray(block_mask(config.num_layers, method.removed))
+  kind = method.kind if method.kind in ("dynamic", "static", "random") else "block"
+  tokens, keep = greedy_generate(
+      params, method.router, sparsity, counts, prefill_keep, block_keep,
+      jax.random.PRNGKey(method.seed + 1), jnp.asarray(prompt), jnp.asarray(lengths),
+      config=config, kind=kind, num_new=num_new)
+  return np.asarray(tokens), np.asarray(keep)
+
+
+def greedy_agreement(reference: np.ndarray, tokens: np.ndarray) -> dict:
+  """Position-wise match rate of `tokens [B, n]` with `reference [B, n]` and the mean
+  common-prefix length / n (tokens before the first difference)."""
+  same = np.asarray(reference) == np.asarray(tokens)
+  prefix = np.where(same.all(1), same.shape[1], np.argmin(same, axis=1))
+  return {"match": float(same.mean()), "prefix": float(prefix.mean() / same.shape[1])}
+
+
+# ------------------------------------------------------------------------------- MC
+
+def read_mc(path: str, num: int | None = None) -> list[dict]:
+  """Multiple-choice items {"query", "choices", "gold"} of a .jsonl file."""
+  items = read_jsonl(path)[:num]
+  for item in items:
+    if not ({"query", "choices", "gold"} <= set(item)):
+      raise ValueError(f"{path}: an item lacks query/choices/gold: {item}")
+  return items
+
+
+def mc_rows(target, items: Sequence[Mapping[str, Any]], length: int):
+  """Every (item, choice) as one right-padded row of query + continuation tokens:
+  (tokens `[R, length]`, lengths `[R]`, continuation start `[R]`, item index `[R]`)."""
+  tokens, lengths, starts, owner = [], [], [], []
+  for i, item in enumerate(items):
+    query = target.tokenizer.encode(item["query"], add_special_tokens=False)
+    for choice in item["choices"]:
+      cont = target.tokenizer.encode(" " + choice, add_special_tokens=False)
+      ids = (query + cont)[-length:]
+      start = max(len(ids) - len(cont), 1)
+      tokens.append(ids + [0] * (length - len(ids)))
+      lengths.append(len(ids))
+      starts.append(start)
+      owner.append(i)
+  return (np.asarray(tokens, np.int32), np.asarray(lengths, np.int32),
+          np.asarray(starts, np.int32), np.asarray(owner, np.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "width"))
+def continuation_logprob(params, router, sparsity, counts, keep, tokens, lengths, starts, *,
+                         config: LlamaConfig, width: int) -> jax.Array:
+  """Summed log-probability `[B]` of tokens starts..length-1 of each row (continuations
+  of at most `width` tokens)."""
+  out = pruned_forward(params, config, tokens, lengths, keep, router, sparsity, counts,
+                       compute_logits=False)
+  # The lm_head only at the positions predicting a continuation token (most of a row is
+  # the query): position p predicts token p + 1.
+  p = starts[:, None] - 1 + jnp.arange(width)[None, :]  # [B, width]
+  use = p + 1 < lengths[:, None]
+  p = jnp.clip(p, 0, tokens.shape[1] - 2)
+  features = jnp.take_along_axis(out.features, p[..., None], axis=1)
+  logp = jax.nn.log_softmax(pm.logits_of(params, config, features), axis=-1)
+  following = jnp.take_along_axis(tokens, p + 1, axis=1)
+  lp = jnp.take_along_axis(logp, following[..., None], axis=-1)[..., 0]
+  return jnp.sum(jnp.where(use, lp, 0.0), axis=1)
+
+
+def score_mc(params, config: LlamaConfig, target, methods: Sequence[Method],
+             items: Sequence[Mapping[str, Any]], length: int = 64, batch_size: int = 16
+             ) -> dict:
+  """Log-likelihood MC accuracy of each method: the choice whose continuation has the
+  highest summed log-probability. Returns {name: accuracy}."""
+  tokens, lengths, starts, owner = mc_rows(target, items, length)
+  gold = np.asarray([item["gold"] for item in items])
+  width = int(-(-int(np.max(lengths - starts)) // 8) * 8)  # rounded up: fewer shapes
+  out = {}
+  for m in methods:
+    check_method(m, config.num_layers)
+    sparsity, counts = schedule_arrays(m, config.num_layers, length)
+    scores = []
+    for start in range(0, len(tokens), batch_size):
+      tok, lens, st = (a[start:start + batch_size] for a in (tokens, lengths, starts))
+      rows = len(tok)
+      if rows < batch_size:
+        pad = batch_size - rows
+        tok, lens, st = (np.concatenate([a, np.repeat(a[-1:], pad, 0)])
+                         for a in (tok, lens, st))
+      keep = (None if m.kind == "dynamic"
+              else jnp.asarray(keep_mask(m, config.num_layers, lens, length)))
+      scores.append(np.asarray(continuation_logprob(
+          params, m.router, sparsity, counts, keep, jnp.asarray(tok), jnp.asarray(lens),
+          jnp.asarray(st), config=config, width=width))[:rows])
+    scores = np.concatenate(scores)
+    picked = np.asarray([np.argmax(np.where(owner == i, scores, -np.inf))
+                         for i in range(len(items))])
+    first = np.asarray([np.argmax(owner == i) for i in range(len(items))])
+    out[m.name] = float(np.mean(picked - first == gold))
+  return out

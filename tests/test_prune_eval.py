@@ -1,0 +1,122 @@
+"""Evaluation metrics of the pruned model, the ShortGPT baseline and the eval CLI's
+user errors, on a tiny random model and hand examples."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jakiro_jax.prune import baselines
+from jakiro_jax.prune import evaluate as ev
+from jakiro_jax.prune import routers
+from jakiro_jax.prune.schedule import keep_count
+from test_prune_model import random_params, tiny_config, tokens_of
+
+SCHEDULE = (0.0, 0.5, 0.7)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  config = tiny_config()
+  return config, random_params(config, seed=3)
+
+
+def test_token_stats_by_hand():
+  # Two positions, vocab 2: dense p = (0.5, 0.5) / (0.9, 0.1); pruned logits give
+  # q = (0.5, 0.5) at both. KL_0 = 0, KL_1 = 0.9 ln(0.9/0.5) + 0.1 ln(0.1/0.5).
+  dense = jnp.log(jnp.array([[[0.5, 0.5], [0.9, 0.1]]]))
+  logits = jnp.zeros((1, 2, 2))
+  tokens = jnp.array([[0, 1]])
+  stats = ev.token_stats(dense, logits, tokens, jnp.array([2]))
+  kl1 = 0.9 * np.log(0.9 / 0.5) + 0.1 * np.log(0.1 / 0.5)
+  np.testing.assert_allclose(stats["kl"][0], [0.0, kl1], atol=1e-6)
+  # nll of token 1 after position 0 is ln 2; position 1 has no next token
+  np.testing.assert_allclose(stats["nll"][0], [np.log(2.0), 0.0], atol=1e-6)
+  # argmax ties pick index 0 in both, dense argmax at position 1 is 0 = pruned's 0
+  np.testing.assert_array_equal(stats["top1"][0], [1.0, 1.0])
+  # a padded position counts for nothing
+  stats = ev.token_stats(dense, logits, tokens, jnp.array([1]))
+  assert float(stats["kl"][0, 1]) == 0.0 and float(stats["nll"][0, 0]) == 0.0
+
+
+def test_achieved_sparsity_ignores_padding():
+  keep = np.ones((2, 2, 4), bool)
+  keep[:, 1, 1:] = False  # block 1 keeps only token 0
+  # row 0: 4 real tokens, row 1: 2 real (its padding is "kept" and must not count)
+  # block 0 skips 0; block 1 skips 3 + 1 of 6 real -> mean (0 + 4/6) / 2
+  assert ev.achieved_sparsity(keep, np.array([4, 2])) == pytest.approx(1 / 3)
+
+
+def test_greedy_agreement_match_and_prefix():
+  ref = np.array([[1, 2, 3, 4], [1, 2, 3, 4]])
+  out = np.array([[1, 2, 9, 4], [1, 2, 3, 4]])
+  assert ev.greedy_agreement(ref, out) == {"match": 7 / 8, "prefix": (2 + 4) / 8}
+
+
+def test_compare_dense_is_exact_and_methods_report_their_budget(setup):
+  config, params = setup
+  tokens = np.asarray(tokens_of(1, 3, 10))
+  lengths = np.array([10, 7, 10])
+  methods = [ev.Method("d", "dense"), ev.Method("s", "static", SCHEDULE),
+             ev.Method("g", "shortgpt", removed=(1,)),
+             ev.Method("y", "dynamic", SCHEDULE, router=routers.init_router(0))]
+  report = ev.compare(params, config, methods, tokens, lengths, batch_size=2)
+  assert report["d"]["kl"] < 1e-6 and report["d"]["top1"] == 1.0
+  assert report["d"]["sparsity"] == 0.0 and report["d"]["flops_ratio"] == 1.0
+  assert report["s"]["kl"] > 1e-3 and report["g"]["sparsity"] == pytest.approx(1 / 3)
+  assert report["g"]["flops_ratio"] == pytest.approx(2 / 3)
+  # achieved sparsity of the top-k routers = mean_i (1 - k_i / n) over real tokens
+  expected = np.mean([1 - (sum(keep_count(s, int(n)) for n in lengths)) / lengths.sum()
+                      for s in SCHEDULE])
+  assert report["s"]["sparsity"] == pytest.approx(expected)
+  assert report["y"]["sparsity"] == pytest.approx(expected)
+
+
+def test_greedy_decode_of_dense_and_a_kept_everything_schedule_agree(setup):
+  config, params = setup
+  prompt = np.asarray(tokens_of(2, 2, 6))
+  lengths = np.array([6, 4])
+  dense, _ = ev.generate(params, config, ev.Method("d", "dense"), prompt, lengths, 5)
+  static0, _ = ev.generate(params, config, ev.Method("s", "static", (0.0,) * 3), prompt,
+                           lengths, 5)
+  np.testing.assert_array_equal(dense, static0)
+  gone, keep = ev.generate(params, config, ev.Method("g", "shortgpt", removed=(2,)),
+                           prompt, lengths, 5)
+  assert not keep[:, 2].any() and keep[:, :2].all()
+
+
+def test_identity_block_has_zero_influence_and_goes_first(setup):
+  config, params = setup
+  # a block whose attention output and MLP output are zero leaves the stream unchanged
+  params = jax.tree_util.tree_map(lambda x: x, params)
+  layer = dict(params["params"]["layers_1"])
+  layer["attn"] = dict(layer["attn"], o=jnp.zeros_like(layer["attn"]["o"]),
+                       o_bias=jnp.zeros_like(layer["attn"]["o_bias"]))
+  layer["mlp"] = dict(layer["mlp"], down=jnp.zeros_like(layer["mlp"]["down"]),
+                      down_bias=jnp.zeros_like(layer["mlp"]["down_bias"]))
+  params = {"params": dict(params["params"], layers_1=layer)}
+  bi = baselines.block_influence(params, config, np.asarray(tokens_of(0, 2, 8)),
+                                 np.array([8, 5]))
+  assert abs(bi[1]) < 1e-6 and bi[0] > 1e-3 and bi[2] > 1e-3
+  assert baselines.shortgpt_removed(bi, 0.3) == (1,)  # round(3 * 0.3) = 1 block
+  # hand example of the formula: identical vectors 0, opposite vectors 2
+  hidden = jnp.array([[[[1.0, 0.0]]], [[[1.0, 0.0]]], [[[-1.0, 0.0]]]])
+  np.testing.assert_allclose(baselines.influence_of_hidden(hidden, jnp.ones((1, 1), bool)),
+                             [0.0, 2.0], atol=1e-6)
+
+
+def test_bad_input_errors_name_the_problem(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no such data file"):
+    ev.read_jsonl(str(tmp_path / "missing.jsonl"))
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"turns": ["a"]}\nnot json\n')
+  with pytest.raises(ValueError, match="bad.jsonl:2 is not valid JSON"):
+    ev.read_jsonl(str(bad))
+  with pytest.raises(ValueError, match="needs a schedule"):
+    ev.check_method(ev.Method("s", "static"), 3)
+  with pytest.raises(ValueError, match="has 2 entries, the model has 3 layers"):
+    ev.check_method(ev.Method("s", "static", (0.1, 0.2)), 3)
+  with pytest.raises(ValueError, match="budget 0.95 must lie in"):
+    baselines.shortgpt_removed([0.1, 0.2], 0.95)

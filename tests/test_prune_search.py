@@ -1,0 +1,108 @@
+"""Genetic schedule search: repair meets the budget exactly, seeded runs are identical,
+a resumed run equals an uninterrupted one, the KL fitness on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jakiro_jax.prune import search
+from test_prune_model import random_params, tiny_config, tokens_of
+
+N, BUDGET = 12, 0.3
+SETTINGS = search.GASettings(population=6, generations=5, tournament=3, sigma=0.05,
+                             elitism=2, seed=7)
+
+
+def toy_fitness(schedule):
+  # Prefers sparsity late in the stack: a smooth target with a unique optimum.
+  s = np.asarray(schedule)
+  target = np.linspace(0.0, 0.6, len(s))
+  return -float(np.sum((s - target) ** 2))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_repair_meets_the_budget_exactly_within_bounds(seed):
+  rng = np.random.default_rng(seed)
+  genes = rng.normal(0.3, 0.5, N)  # far outside [0, s_max] on purpose
+  out = search.repair(genes, BUDGET, 0.9)
+  assert abs(out.mean() - BUDGET) < 1e-12
+  assert out[0] == 0.0 and out.min() >= 0.0 and out.max() <= 0.9
+  # a schedule already on budget only moves by float noise
+  np.testing.assert_allclose(search.repair(out, BUDGET, 0.9), out, atol=1e-12)
+
+
+def test_repair_and_settings_errors():
+  with pytest.raises(ValueError, match=r"budget 0.95 must lie in \[0, 0.9\)"):
+    search.repair(np.zeros(N), 0.95, 0.9)
+  with pytest.raises(ValueError, match="above what 4 blocks"):
+    search.repair(np.zeros(4), 0.8, 0.9)  # block 0 dense: at most 0.675
+  with pytest.raises(ValueError, match="elitism"):
+    search.run_search(toy_fitness, N, BUDGET, search.GASettings(population=4, elitism=4),
+                      progress=False)
+
+
+def test_search_is_seeded_improves_and_keeps_the_budget():
+  a = search.run_search(toy_fitness, N, BUDGET, SETTINGS, progress=False)
+  b = search.run_search(toy_fitness, N, BUDGET, SETTINGS, progress=False)
+  assert a["schedule"] == b["schedule"] and a["history"] == b["history"]
+  assert abs(np.mean(a["schedule"]) - BUDGET) < 1e-12 and a["schedule"][0] == 0.0
+  # elitism: the best never gets worse; it beats the uniform start
+  assert all(y >= x for x, y in zip(a["history"], a["history"][1:]))
+  assert a["fitness"] > toy_fitness(search.uniform_genome(N, BUDGET, SETTINGS))
+  for row in a["population"]:
+    assert abs(row.mean() - BUDGET) < 1e-12
+  c = search.run_search(toy_fitness, N, BUDGET,
+                        search.GASettings(**dict(vars(SETTINGS), seed=8)), progress=False)
+  assert c["history"] != a["history"]
+
+
+def test_resumed_search_equals_the_uninterrupted_one(tmp_path):
+  full = search.run_search(toy_fitness, N, BUDGET, SETTINGS, str(tmp_path / "full"),
+                           progress=False)
+  part = search.run_search(toy_fitness, N, BUDGET, SETTINGS, str(tmp_path / "cut"),
+                           progress=False, stop_after=2)
+  assert part["generation"] == 2
+  calls = []
+
+  def counted(schedule):
+    calls.append(schedule)
+    return toy_fitness(schedule)
+
+  resumed = search.run_search(counted, N, BUDGET, SETTINGS, str(tmp_path / "cut"),
+                              progress=False)
+  assert resumed["history"] == full["history"] and resumed["schedule"] == full["schedule"]
+  np.testing.assert_array_equal(resumed["population"], full["population"])
+  # 3 more generations, elites not re-evaluated: 3 x (6 - 2) = 12 fitness calls
+  assert len(calls) == 3 * (SETTINGS.population - SETTINGS.elitism)
+  state = json.load(open(tmp_path / "cut" / search.STATE_FILE))
+  assert state["generation"] == SETTINGS.generations
+  # other settings in the same directory are refused, a corrupt state named
+  with pytest.raises(ValueError, match="other settings"):
+    search.run_search(toy_fitness, N, 0.2, SETTINGS, str(tmp_path / "cut"), progress=False)
+  with open(tmp_path / "cut" / search.STATE_FILE, "w") as f:
+    f.write("{trunc")
+  with pytest.raises(ValueError, match="is corrupt"):
+    search.run_search(toy_fitness, N, BUDGET, SETTINGS, str(tmp_path / "cut"),
+                      progress=False)
+  assert not os.path.exists(tmp_path / "cut" / (search.STATE_FILE + ".tmp"))
+
+
+def test_influence_genome_gives_low_influence_blocks_more_sparsity():
+  influence = np.array([1.0, 0.5, 0.05, 0.1, 0.5, 0.2])
+  genes = search.influence_genome(influence, 0.3, search.GASettings())
+  assert abs(genes.mean() - 0.3) < 1e-12 and genes[0] == 0.0
+  assert genes[2] > genes[3] > genes[5] > genes[1]
+
+
+def test_kl_fitness_on_a_tiny_model():
+  config = tiny_config()
+  params = random_params(config, seed=5)
+  tokens = np.asarray(tokens_of(4, 2, 12))
+  fitness = search.kl_fitness(params, config, tokens, np.array([12, 9]), agree_weight=0.5)
+  assert fitness((0.0, 0.0, 0.0)) == pytest.approx(0.5, abs=1e-5)  # KL 0, agreement 1
+  assert fitness((0.0, 0.5, 0.7)) < 0.5 - 1e-3
+  assert fitness((0.0, 0.5, 0.7)) == fitness((0.0, 0.5, 0.7))  # deterministic
