@@ -1,0 +1,53 @@
+"""FTP token-wise pruning of SmolLM2-135M-Instruct, sized for a small CPU run.
+
+  python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=search \
+      --out_dir=/tmp/ftp_s30
+  python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=train \
+      --out_dir=/tmp/ftp_s30
+  python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=eval \
+      --out_dir=/tmp/ftp_s30      # without --out_dir: the shipped smollm2_s30 router
+
+Other budgets: --config.budget=0.2 (each budget its own --out_dir).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.target = "smollm2"
+  c.dtype = "float32"
+  c.budget = 0.3  # mean block sparsity S, in [0, 0.9)
+  c.seed = 0
+
+  # Text, read at run time by path (never copied into the repository).
+  c.data = ml_collections.ConfigDict(dict(
+      prompts="../shared/data/train/prompts.jsonl",  # calibration + router training
+      articles="../shared/data/eval/sum.jsonl",  # held-out natural text
+      questions=["../shared/data/eval/alpaca.jsonl", "../shared/data/eval/gsm8k.jsonl",
+                 "../shared/data/eval/qa.jsonl", "../shared/data/eval/humaneval.jsonl"],
+      mc="",  # empty: the shipped ARC-Easy subset (jakiro_jax/assets/prune/mc)
+  ))
+  # Search fitness batch: chat-template user turns packed into full rows.
+  c.calib_rows = 4
+  c.calib_length = 128
+
+  # GA with the static router. The spec's defaults are population 32, 30 generations;
+  # scaled down for a 2-core CPU (one fitness call ~1.5 s).
+  c.ga = ml_collections.ConfigDict(dict(
+      population=12, generations=8, tournament=3, sigma=0.05, max_mutated=3, elitism=2,
+      s_max=0.9, init_noise=0.05, agree_weight=0.0))
+  # Schedule fine-tune with the trained dynamic router in the loop (0 generations: skip).
+  c.finetune = ml_collections.ConfigDict(dict(population=6, generations=3, sigma=0.02))
+
+  # Router training: the target frozen, only the 385 router params.
+  c.router = ml_collections.ConfigDict(dict(
+      steps=120, batch_size=2, rows=48, length=128, lr=1e-3, weight_decay=0.0, clip=1.0,
+      guide_fraction=0.5, save_every=20))
+
+  # Held-out evaluation.
+  c.eval = ml_collections.ConfigDict(dict(
+      articles=8, article_length=256, questions_per_file=4, question_length=128,
+      batch_size=8, mc_items=100, mc_length=64, gen_prompts=8, gen_tokens=32,
+      random_seed=0))
+  return c
