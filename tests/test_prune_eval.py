@@ -120,3 +120,36 @@ def test_bad_input_errors_name_the_problem(tmp_path):
     ev.check_method(ev.Method("s", "static", (0.1, 0.2)), 3)
   with pytest.raises(ValueError, match="budget 0.95 must lie in"):
     baselines.shortgpt_removed([0.1, 0.2], 0.95)
+
+
+def _cli(*args):
+  import subprocess
+  import sys
+  root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+  return subprocess.run([sys.executable, "-m", "launch.prune", *args], cwd=root,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_cli_bad_input_is_one_line():
+  out = _cli("--mode=search", "--config.budget=0.95", "--out_dir=/nonexistent/x")
+  assert out.returncode == 2
+  lines = out.stderr.strip().splitlines()
+  assert lines[-1] == ("error: budget 0.95 must lie in [0, 0.9) (--debug shows the "
+                       "traceback)")
+  assert "Traceback" not in out.stderr
+  out = _cli("--mode=train")
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      "error: --mode=train needs --out_dir")
+
+
+def test_shipped_router_loads_with_its_budget():
+  from jakiro_jax.prune import assets
+  router, schedule, record = assets.load_shipped("smollm2_s30")
+  assert len(schedule) == 30 and abs(np.mean(schedule) - 0.3) < 1e-9 and schedule[0] == 0.0
+  assert router["w1"].shape == (4, 64) and router["w2"].shape == (64, 1)
+  assert len(record["searched_schedule"]) == 30
+  assert abs(np.mean(record["searched_schedule"]) - 0.3) < 1e-9
+  with pytest.raises(ValueError, match="no shipped router 'nope'"):
+    assets.load_shipped("nope")
+  items = ev.read_mc(assets.MC_FILE)
+  assert len(items) == 200 and all(0 <= i["gold"] < len(i["choices"]) for i in items)

@@ -1,0 +1,280 @@
+"""FTP token-wise pruning of the target: schedule search, router training, evaluation.
+
+  python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=search --out_dir=DIR
+  python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=train --out_dir=DIR
+  python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=eval [--out_dir=DIR]
+
+search: genetic search of the per-block sparsities (mean = config.budget) with the static
+  router, fitness -KL to the dense model on a calibration batch; writes DIR/schedule.json
+  (the searched schedule, the block influences and the search history). Resumes from
+  DIR/search/.
+train: trains the dynamic router under DIR/schedule.json (checkpoints in
+  DIR/router/checkpoints, resumed), then fine-tunes the schedule with the router in the
+  loop (config.finetune); writes DIR/router/router.json (router + fine-tuned schedule).
+eval: held-out perplexity, KL / top-1 vs dense, greedy-32 agreement, MC accuracy, achieved
+  sparsity and FLOPs ratio of FTP-dynamic, FTP-static (searched schedule), uniform-static,
+  random and ShortGPT at the router's budget; without --out_dir the shipped router
+  (--shipped, default smollm2_s30) and its schedule. Writes --json_out.
+
+Every mode is seeded and its runs resume where a killed one stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from launch import cli
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m_ftp.py",
+                                          "FTP config file.", lock_config=True)
+_MODE = flags.DEFINE_enum("mode", None, ["search", "train", "eval"], "What to run.")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Run directory (search and train: "
+                               "required; eval: the router to evaluate, default shipped).")
+_SHIPPED = flags.DEFINE_string("shipped", "smollm2_s30", "eval without --out_dir: the "
+                               "shipped router's name.")
+_METHODS = flags.DEFINE_list("methods", None, "eval: a subset of dense,ftp_dynamic,"
+                             "ftp_static,uniform_static,random,shortgpt (default all).")
+_NO_MC = flags.DEFINE_bool("no_mc", False, "eval: skip the multiple-choice accuracy.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "eval: write the report here.")
+
+ALL_METHODS = ("dense", "ftp_dynamic", "ftp_static", "uniform_static", "random", "shortgpt")
+
+
+def _paths(config) -> dict:
+  """Data paths of the config, checked before the target loads."""
+  from jakiro_jax.prune.assets import MC_FILE
+  data = config.data
+  paths = {"prompts": data.prompts, "articles": data.articles}
+  for i, q in enumerate(data.questions):
+    paths[f"questions[{i}]"] = q
+  for name, path in paths.items():
+    if not os.path.isfile(path):
+      raise app.UsageError(f"config.data.{name}: no such file {path}")
+  return {"prompts": data.prompts, "articles": data.articles,
+          "questions": list(data.questions), "mc": data.mc or MC_FILE}
+
+
+def _check_config(config) -> None:
+  from jakiro_jax.prune.schedule import check_budget
+  check_budget(config.budget)
+  cli.require_positive(calib_rows=config.calib_rows, calib_length=config.calib_length)
+
+
+def _load_target(config):
+  from jakiro_jax.target import load_target
+  return load_target(config.target, dtype=config.dtype)
+
+
+def _calibration(target, config, paths, rows, length, seed):
+  from jakiro_jax.prune import evaluate as ev
+  return ev.calibration_rows(target, paths["prompts"], rows, length, seed)
+
+
+def _ga_settings(config, block, **over):
+  from jakiro_jax.prune.search import GASettings
+  values = dict(population=block.population, generations=block.generations,
+                sigma=block.sigma, seed=config.seed)
+  for key in ("tournament", "max_mutated", "elitism", "s_max", "init_noise"):
+    if key in block:
+      values[key] = block[key]
+  values.update(over)
+  return GASettings(**values)
+
+
+def _write_json(path, record) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(record, f, indent=1)
+  os.replace(tmp, path)
+
+
+def run_search(config, out_dir, paths) -> None:
+  import numpy as np
+
+  from jakiro_jax.prune import baselines, search
+
+  target = _load_target(config)
+  tokens = _calibration(target, config, paths, config.calib_rows, config.calib_length,
+                        config.seed)
+  influence = baselines.block_influence(target.params, target.config, tokens,
+                                        np.full(len(tokens), tokens.shape[1]))
+  settings = _ga_settings(config, config.ga)
+  n = target.config.num_layers
+  seeds = [search.uniform_genome(n, config.budget, settings),
+           search.influence_genome(influence, config.budget, settings)]
+  fitness = search.kl_fitness(target.params, target.config, tokens,
+                              agree_weight=config.ga.agree_weight)
+  start = time.time()
+  result = search.run_search(fitness, n, config.budget, settings,
+                             os.path.join(out_dir, "search"), seeds)
+  record = {"schedule": list(result["schedule"]), "fitness": result["fitness"],
+            "history": result["history"], "budget": config.budget,
+            "uniform_fitness": fitness(tuple(seeds[0])),
+            "influence_fitness": fitness(tuple(seeds[1])),
+            "block_influence": influence.tolist(), "seconds": time.time() - start}
+  _write_json(os.path.join(out_dir, "schedule.json"), record)
+  print(f"searched schedule (fitness {result['fitness']:.4f}; uniform "
+        f"{record['uniform_fitness']:.4f}, BI-proportional {record['influence_fitness']:.4f}):"
+        f" {' '.join(f'{s:.2f}' for s in result['schedule'])}")
+
+
+def _read_schedule(out_dir) -> tuple:
+  path = os.path.join(out_dir, "schedule.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no searched schedule {path}: run --mode=search first")
+  try:
+    with open(path) as f:
+      return tuple(json.load(f)["schedule"])
+  except (ValueError, KeyError):
+    raise ValueError(f"{path} is corrupt (no 'schedule')") from None
+
+
+def run_train(config, out_dir, paths) -> None:
+  from jakiro_jax.prune import search
+  from jakiro_jax.prune import train_router as tr
+
+  schedule = _read_schedule(out_dir)
+  target = _load_target(config)
+  r = config.router
+  tokens = _calibration(target, config, paths, r.rows, r.length, config.seed + 1)
+  settings = tr.RouterSettings(steps=r.steps, batch_size=r.batch_size, lr=r.lr,
+                               weight_decay=r.weight_decay, clip=r.clip,
+                               guide_fraction=r.guide_fraction, save_every=r.save_every,
+                               seed=config.seed)
+  router_dir = os.path.join(out_dir, "router")
+  start = time.time()
+  result = tr.train_router(target.params, target.config, tokens, schedule, settings,
+                           router_dir)
+  train_seconds = time.time() - start
+  router = result["router"]
+  finetuned, ft_record = schedule, {}
+  if config.finetune.generations > 0:
+    calib = _calibration(target, config, paths, config.calib_rows, config.calib_length,
+                         config.seed)
+    ft = _ga_settings(config, config.finetune, init_noise=config.finetune.sigma)
+    fitness = search.kl_fitness(target.params, target.config, calib,
+                                agree_weight=config.ga.agree_weight, router=router)
+    res = search.run_search(fitness, target.config.num_layers, config.budget, ft,
+                            os.path.join(out_dir, "finetune"), [schedule])
+    finetuned = res["schedule"]
+    ft_record = {"finetune_history": res["history"], "searched_schedule": list(schedule),
+                 "searched_fitness_dynamic": fitness(schedule)}
+  tr.save_router(os.path.join(router_dir, tr.ROUTER_FILE), router, finetuned,
+                 dict(ft_record, steps=settings.steps, train_seconds=train_seconds,
+                      target=config.target))
+  print(f"router trained ({settings.steps} steps, {train_seconds:.0f} s); schedule "
+        f"{'fine-tuned' if ft_record else 'as searched'}: "
+        f"{' '.join(f'{s:.2f}' for s in finetuned)}")
+
+
+def run_eval(config, out_dir, paths) -> dict:
+  import numpy as np
+
+  from jakiro_jax.prune import assets, baselines
+  from jakiro_jax.prune import evaluate as ev
+  from jakiro_jax.prune import train_router as tr
+  from jakiro_jax.prune.schedule import mean_sparsity, uniform_schedule
+
+  methods = tuple(_METHODS.value or ALL_METHODS)
+  unknown = [m for m in methods if m not in ALL_METHODS]
+  if unknown:
+    raise app.UsageError(f"--methods: unknown {unknown}; choose from {list(ALL_METHODS)}")
+  if out_dir:
+    router, schedule, record = tr.load_router(os.path.join(out_dir, "router"))
+    source = out_dir
+  else:
+    router, schedule, record = assets.load_shipped(_SHIPPED.value)
+    source = f"shipped:{_SHIPPED.value}"
+  searched = tuple(record.get("searched_schedule", schedule))
+  budget = mean_sparsity(schedule)
+  target = _load_target(config)
+  tc = target.config
+  e = config.eval
+  calib = _calibration(target, config, paths, config.calib_rows, config.calib_length,
+                       config.seed)
+  influence = baselines.block_influence(target.params, tc, calib,
+                                        np.full(len(calib), calib.shape[1]))
+  known = {
+      "dense": ev.Method("dense", "dense"),
+      "ftp_dynamic": ev.Method("ftp_dynamic", "dynamic", schedule, router=router),
+      "ftp_static": ev.Method("ftp_static", "static", searched),
+      "uniform_static": ev.Method("uniform_static", "static",
+                                  uniform_schedule(tc.num_layers, budget)),
+      "random": ev.Method("random", "random", uniform_schedule(tc.num_layers, budget),
+                          seed=e.random_seed),
+      "shortgpt": ev.Method("shortgpt", "shortgpt",
+                            removed=baselines.shortgpt_removed(influence, budget)),
+  }
+  chosen = [known[m] for m in methods]
+  report = {"source": source, "budget": budget, "schedule": list(schedule),
+            "searched_schedule": list(searched),
+            "shortgpt_removed": list(known["shortgpt"].removed), "methods": {}}
+  start = time.time()
+  articles = ev.article_rows(target, paths["articles"], e.articles, e.article_length)
+  q_tokens, q_lengths = ev.question_rows(target, paths["questions"], e.questions_per_file,
+                                         e.question_length)
+  art = ev.compare(target.params, tc, chosen, articles, None, e.batch_size)
+  que = ev.compare(target.params, tc, chosen, q_tokens, q_lengths, e.batch_size)
+  gen_tok, gen_len = q_tokens[:e.gen_prompts], q_lengths[:e.gen_prompts]
+  reference, _ = ev.generate(target.params, tc, known["dense"], gen_tok, gen_len,
+                             e.gen_tokens)
+  mc = {}
+  if not _NO_MC.value:
+    items = ev.read_mc(paths["mc"], e.mc_items)
+    mc = ev.score_mc(target.params, tc, target, chosen, items, e.mc_length, 16)
+  for m in chosen:
+    tokens, keep = ev.generate(target.params, tc, m, gen_tok, gen_len, e.gen_tokens)
+    report["methods"][m.name] = {
+        "articles": art[m.name], "questions": que[m.name],
+        "greedy": ev.greedy_agreement(reference, tokens),
+        "decode_sparsity": float(1.0 - keep.mean()),
+        "mc_accuracy": mc.get(m.name)}
+  report["seconds"] = time.time() - start
+  dense_mc = mc.get("dense")
+  print(f"{source}: budget {budget:.3f}, {e.articles} articles x {e.article_length}, "
+        f"{len(q_tokens)} questions, greedy {e.gen_prompts} x {e.gen_tokens}"
+        + (f", MC {e.mc_items} ARC-Easy items" if mc else ""))
+  print(f"{'method':15s} {'spars':>6s} {'flops':>6s} {'ppl':>9s} {'KL':>7s} {'top1':>6s} "
+        f"{'KLlast':>7s} {'t1last':>6s} {'greedy':>6s} {'MC':>6s} {'retain':>6s}")
+  for name, r in report["methods"].items():
+    a, q = r["articles"], r["questions"]
+    acc = r["mc_accuracy"]
+    retain = (acc / dense_mc) if (acc is not None and dense_mc) else None
+    r["mc_retention"] = retain
+    print(f"{name:15s} {a['sparsity']:6.3f} {a['flops_ratio']:6.3f} {a['perplexity']:9.2f} "
+          f"{a['kl']:7.3f} {a['top1']:6.3f} {q['kl_last']:7.3f} {q['top1_last']:6.3f} "
+          f"{r['greedy']['match']:6.3f} "
+          + (f"{acc:6.3f} {retain:6.3f}" if acc is not None else "     -      -"))
+  if _JSON_OUT.value:
+    _write_json(_JSON_OUT.value, report)
+  return report
+
+
+def main(argv):
+  cli.check_unexpected(argv)
+  config = _CONFIG.value
+  if _MODE.value is None:
+    raise app.UsageError("--mode is required: search, train or eval")
+  if config is None:
+    raise app.UsageError("--config is required")
+  _check_config(config)
+  if _MODE.value in ("search", "train") and not _OUT_DIR.value:
+    raise app.UsageError(f"--mode={_MODE.value} needs --out_dir")
+  paths = _paths(config)
+  cli.print_device()
+  if _MODE.value == "search":
+    run_search(config, _OUT_DIR.value, paths)
+  elif _MODE.value == "train":
+    run_train(config, _OUT_DIR.value, paths)
+  else:
+    run_eval(config, _OUT_DIR.value, paths)
+
+
+if __name__ == "__main__":
+  cli.run(main)
