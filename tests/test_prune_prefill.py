@@ -62,6 +62,7 @@ def test_gathered_prefill_equals_masked_forward(setup):
   np.testing.assert_allclose(gathered.prob, masked.prob, **TOL)
 
 
+@pytest.mark.slow  # compile-heavy; covered in the default set by cheaper tests
 def test_decode_continues_from_the_gathered_cache(setup):
   config, params = setup
   tokens, new = tokens_of(1, B, 8), tokens_of(2, B, 2)
@@ -130,6 +131,7 @@ def test_flops_of_a_schedule(setup):
     schedule_flops(config, (0.1, 0.2), 10)
 
 
+@pytest.mark.slow  # compile-heavy; covered in the default set by cheaper tests
 def test_time_prefill_reports_both_paths(setup):
   config, params = setup
   # the one-pass router at these shapes is compiled by the router tests already

@@ -135,6 +135,7 @@ def test_threshold_mode_keeps_p_at_least_one_half(setup):
     routers.dynamic_route(_position_router(0.5), SCHEDULE, "soft")
 
 
+@pytest.mark.slow  # compile-heavy; covered in the default set by cheaper tests
 def test_straight_through_gradient_reaches_the_router(setup):
   config, params = setup
   tokens = tokens_of(4, B, T)
@@ -174,6 +175,7 @@ def test_one_pass_router_reads_block_zero_attention_once(setup):
                                 routers.static_keep_mask(SCHEDULE, [T, T], T)[:, 0])
 
 
+@pytest.mark.slow  # compile-heavy; covered in the default set by cheaper tests
 def test_one_pass_prefill_compiles_once_per_schedule(setup):
   config, params = setup
   before = pruned_prefill_jit._cache_size()

@@ -75,6 +75,7 @@ def _loss(config, params, router, tokens, lengths, dense):
   return float(loss)
 
 
+@pytest.mark.slow  # compile-heavy; covered in the default set by cheaper tests
 def test_training_lowers_the_loss_and_resumes_bit_identical(setup, tmp_path):
   config, params, tokens, lengths, dense = setup
   full = tr.train_router(params, config, tokens, SCHEDULE, SETTINGS, str(tmp_path / "a"),
