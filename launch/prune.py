@@ -173,6 +173,10 @@ def run_train(config, out_dir, paths) -> None:
         f"{' '.join(f'{s:.2f}' for s in finetuned)}")
 
 
+def _progress(start, what) -> None:
+  print(f"[{time.time() - start:6.0f} s] {what}", flush=True)
+
+
 def run_eval(config, out_dir, paths) -> dict:
   import numpy as np
 
@@ -224,12 +228,16 @@ def run_eval(config, out_dir, paths) -> dict:
   gen_tok, gen_len = q_tokens[:e.gen_prompts], q_lengths[:e.gen_prompts]
   reference, _ = ev.generate(target.params, tc, known["dense"], gen_tok, gen_len,
                              e.gen_tokens)
+  _progress(start, "articles, questions and the dense greedy reference")
   mc = {}
   if not _NO_MC.value:
     items = ev.read_mc(paths["mc"], e.mc_items)
-    mc = ev.score_mc(target.params, tc, target, chosen, items, e.mc_length, 16)
+    for m in chosen:
+      mc.update(ev.score_mc(target.params, tc, target, [m], items, e.mc_length, 16))
+      _progress(start, f"MC {m.name}: {mc[m.name]:.3f}")
   for m in chosen:
     tokens, keep = ev.generate(target.params, tc, m, gen_tok, gen_len, e.gen_tokens)
+    _progress(start, f"greedy {m.name}")
     report["methods"][m.name] = {
         "articles": art[m.name], "questions": que[m.name],
         "greedy": ev.greedy_agreement(reference, tokens),
