@@ -38,7 +38,12 @@ class KVCache:
 
   def write_slots(self, num_new: int) -> jax.Array:
     """Slots `[B, T]` where a forward over `num_new` tokens writes its K/V."""
-    return self.lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+    return slots_after(self.lengths, num_new)
+
+
+def slots_after(lengths: jax.Array, num_new: int) -> jax.Array:
+  """`[B, T]`: slots `lengths[b] + t`, t = 0..num_new-1 (new tokens follow the committed)."""
+  return lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
 
 
 def causal_mask(lengths: jax.Array, num_new: int, max_len: int) -> jax.Array:

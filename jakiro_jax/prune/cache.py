@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.models.kv_cache import slots_after
 
 
 @flax.struct.dataclass
@@ -42,7 +43,7 @@ class PrunedCache:
 
   def write_slots(self, num_new: int) -> jax.Array:
     """Slots `[B, T]` of a forward over `num_new` tokens."""
-    return self.lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+    return slots_after(self.lengths, num_new)
 
 
 def new_pruned_cache(config: LlamaConfig, batch: int, max_len: int) -> PrunedCache:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import time
 from typing import Sequence
 
 import jax
@@ -18,6 +17,7 @@ from jakiro_jax.prune.prefill import pruned_prefill_jit
 from jakiro_jax.prune.routers import init_router
 from jakiro_jax.prune.schedule import check_schedule, keep_counts, mean_sparsity
 from jakiro_jax.speculative.autoregressive import prefill as dense_prefill
+from jakiro_jax.speculative.round_timing import timed_runs
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -29,13 +29,7 @@ def dense_prefill_jit(params, tokens: jax.Array, cache, *, config: LlamaConfig):
 
 
 def _median_s(fn, repeats: int, warmup: int) -> tuple[float, list[float]]:
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
+  times = timed_runs(fn, repeats, warmup)
   return float(np.median(times)), times
 
 

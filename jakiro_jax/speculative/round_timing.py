@@ -21,9 +21,9 @@ from jakiro_jax.speculative.generate import (check_draft_fits, draft_context, dr
 from jakiro_jax.speculative.sampling import SamplingConfig
 
 
-def median_ms(fn, repeats: int = 7, warmup: int = 2) -> float:
-  """Median wall ms of `fn()` over `repeats` calls after `warmup` untimed ones (the first
-  compiles); waits for every array `fn` returns."""
+def timed_runs(fn, repeats: int = 7, warmup: int = 2) -> list[float]:
+  """Wall seconds of `repeats` calls of `fn()` after `warmup` untimed ones (the first
+  compiles); each waits for every array `fn` returns."""
   for _ in range(warmup):
     jax.block_until_ready(fn())
   times = []
@@ -31,7 +31,12 @@ def median_ms(fn, repeats: int = 7, warmup: int = 2) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
-  return float(np.median(times) * 1e3)
+  return times
+
+
+def median_ms(fn, repeats: int = 7, warmup: int = 2) -> float:
+  """Median wall ms of `fn()` (`timed_runs`)."""
+  return float(np.median(timed_runs(fn, repeats, warmup)) * 1e3)
 
 
 def decode_step_fn(config):
