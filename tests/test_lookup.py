@@ -91,6 +91,7 @@ def test_greedy_and_seeded_sampling_match_the_ar_loop(target, batch):
   assert [len(t) for t in sampled.tokens] == [24] * batch
 
 
+@pytest.mark.slow  # ~25 s of SmolLM2 in a subprocess; in-process tests cover the method
 def test_generate_cli_runs_lookup_without_a_draft(tmp_path):
   from jakiro_jax.models.convert import write_hf_dir
   target = target_from_torch(tiny_hf_model(seed=3))
