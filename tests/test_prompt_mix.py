@@ -11,8 +11,17 @@ import pytest
 from jakiro_jax.train import prompt_mix
 from jakiro_jax.train.data import read_prompts
 
-SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
-                      "shared", "data")
+def _shared_data() -> str:
+  """`shared/data` beside the checkout or beside one of its parent directories."""
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  while True:
+    candidate = os.path.join(here, "shared", "data")
+    if os.path.isdir(os.path.join(candidate, "eval")) or os.path.dirname(here) == here:
+      return candidate
+    here = os.path.dirname(here)
+
+
+SHARED = _shared_data()
 EVAL_FILES = sorted(glob.glob(os.path.join(SHARED, "eval", "*.jsonl")))
 TRAIN_FILE = os.path.join(SHARED, "train", "prompts.jsonl")
 
