@@ -10,6 +10,7 @@ only after the new directory is complete, so a failed export loses nothing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
@@ -63,3 +64,11 @@ def _swap_in(tmp: str, out_dir: str) -> None:
     os.unlink(old)
   else:
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json(path: str | os.PathLike, record, indent: int | None = 1) -> None:
+  """JSON written to `path.tmp`, then renamed: a kill leaves the old file or the new one."""
+  tmp = os.fspath(path) + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(record, f, indent=indent)
+  os.replace(tmp, path)

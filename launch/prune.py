@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 from absl import app, flags
 from ml_collections import config_flags
 
+from jakiro_jax.atomic_dir import write_json
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m_ftp.py",
@@ -87,13 +87,6 @@ def _ga_settings(config, block, **over):
   return GASettings(**values)
 
 
-def _write_json(path, record) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(record, f, indent=1)
-  os.replace(tmp, path)
-
-
 def run_search(config, out_dir, paths) -> None:
   import numpy as np
 
@@ -118,7 +111,7 @@ def run_search(config, out_dir, paths) -> None:
             "uniform_fitness": fitness(tuple(seeds[0])),
             "influence_fitness": fitness(tuple(seeds[1])),
             "block_influence": influence.tolist(), "seconds": time.time() - start}
-  _write_json(os.path.join(out_dir, "schedule.json"), record)
+  write_json(os.path.join(out_dir, "schedule.json"), record)
   print(f"searched schedule (fitness {result['fitness']:.4f}; uniform "
         f"{record['uniform_fitness']:.4f}, BI-proportional {record['influence_fitness']:.4f}):"
         f" {' '.join(f'{s:.2f}' for s in result['schedule'])}")
@@ -260,7 +253,7 @@ def run_eval(config, out_dir, paths) -> dict:
           f"{r['greedy']['match']:6.3f} "
           + (f"{acc:6.3f} {retain:6.3f}" if acc is not None else "     -      -"))
   if _JSON_OUT.value:
-    _write_json(_JSON_OUT.value, report)
+    write_json(_JSON_OUT.value, report)
   return report
 
 

@@ -35,10 +35,14 @@ ROUTER_HIDDEN = 64
 ROUTE_MODES = ("topk", "threshold")
 
 
-def _count_table(sparsity: float, max_length: int) -> jax.Array:
+def _count_row(sparsity: float, max_length: int) -> np.ndarray:
   """`[max_length + 1]` int32: `keep_count(sparsity, n)` for n = 0..max_length, so traced
   lengths get the exact Python rounding."""
-  return jnp.asarray([keep_count(sparsity, n) for n in range(max_length + 1)], jnp.int32)
+  return np.asarray([keep_count(sparsity, n) for n in range(max_length + 1)], np.int32)
+
+
+def _count_table(sparsity: float, max_length: int) -> jax.Array:
+  return jnp.asarray(_count_row(sparsity, max_length))
 
 
 def _check_mode(mode: str) -> None:
@@ -255,8 +259,7 @@ def one_pass_route(router_params: Mapping[str, jax.Array], schedule: Sequence[fl
 def count_tables(schedule: Sequence[float], max_length: int) -> np.ndarray:
   """`[N, max_length + 1]` int32: `keep_count(s_i, n)` for every block and n."""
   schedule = _check_schedule_values(schedule)
-  return np.asarray([[keep_count(s, n) for n in range(max_length + 1)] for s in schedule],
-                    np.int32)
+  return np.stack([_count_row(s, max_length) for s in schedule])
 
 
 def array_static_route(counts: jax.Array) -> Route:

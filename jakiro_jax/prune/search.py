@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from jakiro_jax.atomic_dir import write_json
 from jakiro_jax.prune.schedule import MAX_BUDGET, check_budget
 
 STATE_FILE = "search_state.json"
@@ -155,11 +156,8 @@ def _settings_record(settings: GASettings, budget: float, num: int) -> dict:
 
 
 def save_state(path: str, state: dict) -> None:
-  """JSON written to `path.tmp` then renamed: a kill leaves the old or the new state."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(state, f)
-  os.replace(tmp, path)
+  """The search state, atomically (a kill leaves the old or the new state)."""
+  write_json(path, state, indent=None)
 
 
 def load_state(path: str) -> dict:

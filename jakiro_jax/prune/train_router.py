@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jakiro_jax.atomic_dir import write_json
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.prune import evaluate as ev
 from jakiro_jax.prune import routers
@@ -168,10 +169,7 @@ def save_router(path: str, router, schedule: Sequence[float], extra: dict | None
   """`router.json`: {"router": params as lists, "schedule": [N], "budget", ...}, atomic."""
   record = dict(extra or {}, router=router_to_json(router),
                 schedule=[float(s) for s in schedule], budget=mean_sparsity(schedule))
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(record, f, indent=1)
-  os.replace(tmp, path)
+  write_json(path, record)
 
 
 def load_router(path: str) -> tuple[dict, tuple[float, ...], dict]:

@@ -107,7 +107,7 @@ def shift_positions(x: jax.Array, k: int) -> jax.Array:
 
 def _shift_left(x: jax.Array, valid: jax.Array) -> jax.Array:
   """x[:, 1:] + [0], then zeroed where `valid [B, T]` is false."""
-  shifted = jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+  shifted = shift_positions(x, 1)
   valid = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
   return jnp.where(valid, shifted, jnp.zeros_like(shifted))
 

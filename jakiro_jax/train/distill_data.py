@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from jakiro_jax.atomic_dir import write_json
 from jakiro_jax.speculative.autoregressive import generate_ar
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.train import data, prompt_mix
@@ -319,10 +320,7 @@ def _write_mix(out_dir, sources: Sequence[str], dropped: Mapping, settings) -> N
          "answers_per_prompt": 1 + settings.samples_per_prompt,
          "answer_temperatures": [settings.answer_temperature(v)
                                  for v in range(1 + settings.samples_per_prompt)]}
-  path = os.path.join(out_dir, MIX_FILE)
-  with open(path + ".tmp", "w") as f:
-    json.dump(mix, f, indent=2)
-  os.replace(path + ".tmp", path)
+  write_json(os.path.join(out_dir, MIX_FILE), mix, indent=2)
 
 
 def summarize(out_dir) -> dict:
