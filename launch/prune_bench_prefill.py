@@ -4,7 +4,8 @@
       --repeats=5 --json_out=prune_prefill.json
 
 Random prompts of --length tokens at --batch rows; the pruned prefill runs a uniform
-schedule of mean --sparsity (block 0 dense unless --nodense_first) or --schedule, with the
+schedule of mean --sparsity (block 0 dense unless --nodense_first), --schedule, or
+--schedule_name (e.g. the shipped searched schedule smollm2_s30), with the
 static (default), one_pass or dynamic router (untrained params: decisions only change
 which tokens, not how many). Both are jitted and compiled before timing; the report is
 the median of --repeats alternating runs, in one process, plus the FLOPs ratio.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import flags
+from absl import app, flags
 
 from launch import cli
 
@@ -27,6 +28,10 @@ _SPARSITY = flags.DEFINE_float("sparsity", 0.3, "Mean block sparsity of the sche
 _DENSE_FIRST = flags.DEFINE_bool("dense_first", True, "Block 0 skips nothing.")
 _SCHEDULE = flags.DEFINE_list("schedule", None, "Per-block sparsities (overrides "
                               "--sparsity); one per layer.")
+_SCHEDULE_NAME = flags.DEFINE_string(
+    "schedule_name", None, "A named schedule instead (overrides --schedule and --sparsity):"
+    " a shipped router's searched schedule (smollm2_s30), uniform:S, or a schedule.json / "
+    "router.json path.")
 _ROUTER = flags.DEFINE_enum("router", "static", ["static", "one_pass", "dynamic"],
                             "Router deciding the kept tokens.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs of each.")
@@ -44,7 +49,15 @@ def main(argv):
 
   target = load_target(_TARGET.value, dtype=_DTYPE.value, with_tokenizer=False)
   config = target.config
-  if _SCHEDULE.value:
+  if _SCHEDULE_NAME.value:
+    from jakiro_jax.prune.assets import static_schedule
+    try:
+      schedule = static_schedule(_SCHEDULE_NAME.value, config.num_layers)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+    if schedule is None:
+      raise app.UsageError("--schedule_name=dense prunes nothing: name a sparse schedule")
+  elif _SCHEDULE.value:
     schedule = check_schedule([float(s) for s in _SCHEDULE.value], config.num_layers)
   else:
     schedule = uniform_schedule(config.num_layers, _SPARSITY.value, _DENSE_FIRST.value)

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jakiro_jax.prune import evaluate as ev
 from jakiro_jax.prune import routers
 from jakiro_jax.prune import train_router as tr
 from test_prune_model import random_params, tiny_config, tokens_of

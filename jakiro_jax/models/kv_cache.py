@@ -5,7 +5,8 @@ H head dim, N tree nodes.
 
 New tokens are always written at slots `lengths[b] + t` (t = 0..T-1); `lengths` only
 moves when the caller commits tokens. RoPE positions are passed separately, so tree
-siblings can share a position while owning distinct slots.
+siblings can share a position while owning distinct slots. A cache filled by a token-pruned
+prefill also records per layer which prompt slots were skipped (`skipped`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class KVCache:
   k: jax.Array  # [L, B, S, K, H]
   v: jax.Array  # [L, B, S, K, H]
   lengths: jax.Array  # [B] int32, committed tokens per row
+  # [L, B, S] bool or None: slots a layer never computed (a token-pruned prefill,
+  # `prune.prefill.pruned_target_prefill`); attention at that layer never reads them.
+  skipped: jax.Array | None = None
 
   @classmethod
   def init(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int,

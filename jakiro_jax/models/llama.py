@@ -109,6 +109,8 @@ class Attention(nn.Module):
     k_all = cache.k.at[self.layer, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
     v_all = cache.v.at[self.layer, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
     keys, values = k_all[self.layer], v_all[self.layer]  # [B, S, K, H]
+    if cache.skipped is not None:
+      mask = mask & ~cache.skipped[self.layer][:, None, :]
     window = cfg.window_of(self.layer)
     if window is not None:
       # Committed slot s holds position s; this call's tokens sit at their positions.

@@ -29,3 +29,37 @@ def load_shipped(name: str):
   if not os.path.isfile(path):
     raise ValueError(f"no shipped router {name!r}; shipped: {shipped_names()}")
   return load_router(path)
+
+
+def static_schedule(spec: str, num_layers: int) -> tuple[float, ...] | None:
+  """The per-block schedule a static-router prefill runs, named by `spec`:
+
+  "dense" -> None (no pruning); "uniform:S" -> mean S, block 0 dense; a shipped name
+  (e.g. "smollm2_s30") -> its searched schedule; a path to a `schedule.json` (from
+  `launch.prune --mode=search`) or a `router.json` -> its searched schedule.
+  """
+  import json
+
+  from jakiro_jax.prune.schedule import check_schedule, uniform_schedule
+
+  if spec == "dense":
+    return None
+  if spec.startswith("uniform:"):
+    try:
+      sparsity = float(spec.split(":", 1)[1])
+    except ValueError:
+      raise ValueError(f"schedule {spec!r}: uniform:S needs a number S") from None
+    return check_schedule(uniform_schedule(num_layers, sparsity), num_layers)
+  if spec in shipped_names():
+    _, _, record = load_shipped(spec)
+    return check_schedule(record["searched_schedule"], num_layers)
+  if not os.path.isfile(spec):
+    raise ValueError(f"schedule {spec!r} is not 'dense', 'uniform:S', a shipped router "
+                     f"({', '.join(shipped_names())}) or a schedule.json / router.json file")
+  try:
+    with open(spec) as f:
+      record = json.load(f)
+    values = record["searched_schedule"] if "searched_schedule" in record else record["schedule"]
+  except (ValueError, KeyError, TypeError):
+    raise ValueError(f"{spec} is corrupt: no 'schedule' or 'searched_schedule'") from None
+  return check_schedule(values, num_layers)

@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.prune import routers
 from jakiro_jax.prune.cache import PrunedCache
 from jakiro_jax.prune.model import (PrunedOutput, as_route, attend, block_update, call_context,
                                     check_call, embed, last_logits, logits_of,
                                     output_projection, project_qkv, received_attention,
-                                    rms_norm)
+                                    rms_norm, without_padding)
 from jakiro_jax.prune.route import BlockContext
 from jakiro_jax.prune.schedule import check_schedule, keep_counts
 
@@ -80,14 +81,18 @@ def _gathered_block(layer_params, config: LlamaConfig, layer: int, x: jax.Array,
 
 
 def prefill_gathered(params, config: LlamaConfig, tokens: jax.Array, cache: PrunedCache,
-                     route, schedule: Sequence[float], compute_logits: bool = False):
-  """Prefill of unpadded prompts `[B, T]` (positions 0..T-1) from an empty cache.
+                     route, schedule: Sequence[float], compute_logits: bool = False,
+                     lengths: jax.Array | None = None):
+  """Prefill of prompts `[B, T]` (positions 0..T-1) from an empty cache.
 
   route: a route callable or a bool keep mask `[B, L, T]`; block i computes at most
   `k_i = keep_counts(schedule, T)[i]` tokens per row (its kept tokens in index order).
-  Returns `(logits [B, V] at the last token, PrunedOutput)` with `keep` = the tokens
-  actually computed, logits `[B, T, V]` only with `compute_logits`, and the cache's
-  lengths set to T (ready for `prune.model.decode_step`).
+  lengths `[B]`: real tokens of right-padded rows (None = all T); padding is never
+  computed, and a route's per-row counts (the static router's `k_i` of the row's own
+  length) stay within the `k_i` of T.
+  Returns `(logits [B, V] at each row's last real token, PrunedOutput)` with `keep` = the
+  tokens actually computed, logits `[B, T, V]` only with `compute_logits`, and the cache's
+  lengths set to the real lengths (ready for `prune.model.decode_step`).
   """
   batch, num_new = tokens.shape
   schedule = check_schedule(schedule, config.num_layers)
@@ -102,7 +107,7 @@ def prefill_gathered(params, config: LlamaConfig, tokens: jax.Array, cache: Prun
     raise ValueError(f"the route's schedule {tuple(own)} differs from the prefill's "
                      f"{schedule}: its top-k would keep other counts than k_i")
   cache = cache.replace(lengths=jnp.zeros((batch,), jnp.int32))
-  slots, real, num_real, seq_len, in_seq = call_context(cache, positions, None)
+  slots, real, num_real, seq_len, in_seq = call_context(cache, positions, lengths)
   table = jnp.zeros((batch, cache.max_len), jnp.float32)
   rows = jnp.arange(batch)[:, None]
   x = embed(params, config, tokens)
@@ -111,6 +116,7 @@ def prefill_gathered(params, config: LlamaConfig, tokens: jax.Array, cache: Prun
     ctx = BlockContext(layer=i, positions=positions, slots=slots, real=real,
                        num_real=num_real, seq_len=seq_len, table=table, in_seq=in_seq)
     decision, carry = route(ctx, carry)
+    decision = without_padding(decision, real)
     gate = (decision.keep.astype(x.dtype) if decision.gate is None
             else decision.gate.astype(x.dtype))
     idx = kept_indices(decision.keep, k)
@@ -122,7 +128,7 @@ def prefill_gathered(params, config: LlamaConfig, tokens: jax.Array, cache: Prun
     keeps.append(computed)
     probs.append(decision.prob)
   features = rms_norm(params["params"]["final_norm"], config, x)
-  lengths = jnp.full((batch,), num_new, jnp.int32)
+  lengths = num_real
   logits = last_logits(params, config, features, lengths)
   out = PrunedOutput(
       logits=logits_of(params, config, features) if compute_logits else None,
@@ -154,3 +160,30 @@ def pruned_prefill_jit(params, router_params, tokens: jax.Array, cache: PrunedCa
   (config, schedule, router, shapes). Returns `(logits [B, V], PrunedOutput)`."""
   route = make_route(router, schedule, router_params)
   return prefill_gathered(params, config, tokens, cache, route, schedule)
+
+
+def pruned_target_prefill(params, config: LlamaConfig, prompt: jax.Array,
+                          prompt_lengths: jax.Array, cache: KVCache,
+                          schedule: Sequence[float]):
+  """The static router's gathered prefill as a drop-in for the dense one of the AR and
+  speculative loops (`speculative.autoregressive.target_prefill`).
+
+  prompt `[B, P]` right-padded, prompt_lengths `[B]`; `cache` an empty plain cache whose
+  buffers are reused. Returns `(logits [B, V] at each row's last prompt token,
+  features [B, P, D], cache)` with `cache.lengths = prompt_lengths` and `cache.skipped`
+  marking, per layer, the prompt slots that block skipped. Decoding then runs the dense
+  target over that cache: every new token is computed in every block and attends to the
+  slots each layer computed, which is the static router's own decode (it keeps the newest
+  token while `k_i >= 2`), so the output equals `prune.model` decoding under the same
+  decisions.
+  """
+  batch = prompt.shape[0]
+  pruned = PrunedCache(k=cache.k, v=cache.v, valid=jnp.zeros(cache.k.shape[:3], bool),
+                       received=jnp.zeros(cache.k.shape[:3], jnp.float32),
+                       lengths=jnp.zeros((batch,), jnp.int32))
+  logits, out = prefill_gathered(params, config, prompt, pruned, routers.static_route(schedule),
+                                 schedule, lengths=prompt_lengths)
+  in_prompt = jnp.arange(cache.max_len)[None, :] < prompt_lengths[:, None]  # [B, S]
+  skipped = ~out.cache.valid & in_prompt[None]
+  return logits, out.features, KVCache(k=out.cache.k, v=out.cache.v,
+                                       lengths=prompt_lengths, skipped=skipped)

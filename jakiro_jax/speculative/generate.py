@@ -25,7 +25,8 @@ from jakiro_jax.drafts.base import RoundInputs, TargetHead
 from jakiro_jax.models.kv_cache import KVCache, causal_mask, tree_mask
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, new_cache
-from jakiro_jax.speculative.autoregressive import is_stop_token, prefill
+from jakiro_jax.speculative.autoregressive import (check_prune_schedule, is_stop_token,
+                                                   target_prefill)
 from jakiro_jax.speculative.batching import prepare_batch
 from jakiro_jax.speculative.sampling import SamplingConfig, sample_token
 from jakiro_jax.speculative.tree import Tree
@@ -110,15 +111,18 @@ def first_stop(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
 
 
 SPEC_STATIC_ARGS = ("target_config", "drafter", "max_new_tokens", "sampling", "stop_ids",
-                    "pad_id")
+                    "pad_id", "prune_schedule")
 
 
 def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budgets,
                              rng, target_cache: KVCache, draft_cache: KVCache, *,
                              target_config: LlamaConfig, drafter, max_new_tokens: int,
                              sampling: SamplingConfig, stop_ids: tuple[int, ...],
-                             pad_id: int) -> SpecState:
+                             pad_id: int,
+                             prune_schedule: tuple[float, ...] | None = None) -> SpecState:
   """prompt `[B, P]` right-padded; budgets `[B]` <= max_new_tokens. Returns the final state.
+  `prune_schedule`: token-pruned prefill of the target (`target_prefill`); the drafts then
+  read the pruned prompt's features.
 
   The target runs with `target_config` (the target's own), never the drafter's
   `target_config`: a drafter built for another config would otherwise change the target.
@@ -129,8 +133,8 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
   rows = jnp.arange(batch)
   max_path = drafter.tree.max_path
 
-  logits, features, target_cache = prefill(model, target_params, prompt, prompt_lengths,
-                                           target_cache)
+  logits, features, target_cache = target_prefill(model, target_params, prompt,
+                                                  prompt_lengths, target_cache, prune_schedule)
   root = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
   # Draft pair p is (feature_p, token_{p+1}); the last prompt pair takes the root.
   shifted = jnp.concatenate([prompt[:, 1:], jnp.zeros((batch, 1), prompt.dtype)], axis=1)
@@ -242,14 +246,19 @@ class SpecOutput:
 def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
              max_new_tokens: int | Sequence[int] = 128,
              sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
-             max_len: int | None = None, mesh=None) -> SpecOutput:
+             max_len: int | None = None, mesh=None, prune_schedule=None) -> SpecOutput:
   """Speculative generation for a batch of token-id prompts.
+
+  `prune_schedule` (per-block sparsities): the target prefills the prompt with the static
+  token router (`autoregressive.target_prefill`); verification stays dense over the pruned
+  cache, so greedy output equals `generate_ar` with the same schedule.
 
   With a `mesh` (`jakiro_jax.sharding.make_mesh`) the same loop runs as one jit with the
   target's and the draft's weights, the prompts and both caches sharded by the
   logical-axis rules (`sharding.shard_target` places the target once beforehand).
   """
   check_draft_fits(target, drafter, draft_params)
+  prune_schedule = check_prune_schedule(target.config, prune_schedule, mesh)
   target_extra = drafter.tree.total_tokens
   draft_extra = drafter.extra_cache_slots()
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
@@ -257,7 +266,7 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
   size = len(batch.lengths)
   static = dict(target_config=target.config, drafter=drafter,
                 max_new_tokens=int(batch.budgets.max()), sampling=sampling,
-                stop_ids=tuple(target.stop_ids), pad_id=0)
+                stop_ids=tuple(target.stop_ids), pad_id=0, prune_schedule=prune_schedule)
   inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
             jnp.asarray(batch.budgets), jax.random.PRNGKey(seed))
   make_target_cache = lambda: new_cache(target.config, size, batch.max_len)  # noqa: E731

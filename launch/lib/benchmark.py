@@ -78,27 +78,29 @@ def ar_summary(outputs: list, seconds: list) -> dict:
 
 
 def ar_baseline(target, prompts, max_new_tokens: int, sampling, seed: int,
-                mesh=None) -> dict:
+                mesh=None, prune_schedule=None) -> dict:
   """Our AR loop on each prompt (batch 1, timed after a warm-up): outputs and rates.
-  `mesh`: run sharded over it (`jakiro_jax.sharding.make_mesh`)."""
+  `mesh`: run sharded over it (`jakiro_jax.sharding.make_mesh`); `prune_schedule`: a
+  token-pruned prefill (`generate_ar`)."""
   from jakiro_jax.speculative.autoregressive import generate_ar
 
   runs = _timed_runs(
       prompts, lambda p, i: generate_ar(target, [p], max_new_tokens, sampling, seed=seed + i,
-                                        mesh=mesh),
+                                        mesh=mesh, prune_schedule=prune_schedule),
       "ar")
   return ar_summary([r.tokens[0] for r in runs], [r.seconds for r in runs])
 
 
 def spec_runs(target, drafter, params, prompts, max_new_tokens: int, sampling, seed: int,
-              mesh=None) -> list:
+              mesh=None, prune_schedule=None) -> list:
   """Speculative generation of each prompt at batch 1 (timed after a warm-up compile per
-  prompt bucket): one `SpecOutput` per prompt."""
+  prompt bucket): one `SpecOutput` per prompt. `prune_schedule`: a token-pruned prefill."""
   from jakiro_jax.speculative.generate import generate
 
   return _timed_runs(
       prompts, lambda p, i: generate(target, drafter, params, [p], max_new_tokens, sampling,
-                                     seed=seed + i, mesh=mesh), drafter.name)
+                                     seed=seed + i, mesh=mesh,
+                                     prune_schedule=prune_schedule), drafter.name)
 
 
 def spec_fields(drafter, runs: list, ar: dict, sampling, draft_name: str) -> dict:
