@@ -113,13 +113,15 @@ def test_named_schedules(tmp_path):
   assert uniform[0] == 0.0 and abs(np.mean(uniform) - 0.3) < 1e-9
   _, _, record = load_shipped("smollm2_s30")
   assert static_schedule("smollm2_s30", 30) == tuple(record["searched_schedule"])
+  long = static_schedule("smollm2_s30_long", 30)
+  assert long != tuple(record["searched_schedule"]) and abs(np.mean(long) - 0.3) < 1e-6
   path = tmp_path / "schedule.json"
   path.write_text('{"schedule": [0.0, 0.25]}')
   assert static_schedule(str(path), 2) == (0.0, 0.25)
   path.write_text('{"budget": 0.3}')
   with pytest.raises(ValueError, match="corrupt: no 'schedule'"):
     static_schedule(str(path), 2)
-  with pytest.raises(ValueError, match="is not 'dense', 'uniform:S', a shipped router"):
+  with pytest.raises(ValueError, match="is not 'dense', 'uniform:S', a shipped schedule"):
     static_schedule("nonexistent_s30", 30)
   with pytest.raises(ValueError, match="uniform:S needs a number"):
     static_schedule("uniform:x", 30)

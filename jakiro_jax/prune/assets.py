@@ -1,8 +1,11 @@
-"""Shipped pruning assets: trained routers with their schedules, the MC subset.
+"""Shipped pruning assets: trained routers with their schedules, searched schedules, the MC
+subset.
 
 `jakiro_jax/assets/prune/<name>/router.json` holds the router params, the (fine-tuned)
 schedule the router was trained and evaluated with, and the searched static schedule
-(`searched_schedule`); `load_shipped(name)` reads it.
+(`searched_schedule`); `load_shipped(name)` reads it. `<name>/schedule.json` is a searched
+schedule alone (`launch.prune --mode=search`'s record); `static_schedule(name)` reads
+either.
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ def shipped_names() -> list[str]:
                 if os.path.isfile(os.path.join(ASSET_DIR, d, "router.json")))
 
 
+def shipped_schedules() -> list[str]:
+  """Names `static_schedule` resolves to a shipped file: routers and searched schedules."""
+  if not os.path.isdir(ASSET_DIR):
+    return []
+  return sorted(d for d in os.listdir(ASSET_DIR)
+                if any(os.path.isfile(os.path.join(ASSET_DIR, d, f))
+                       for f in ("router.json", "schedule.json")))
+
+
 def load_shipped(name: str):
   """(router params, schedule, record) of a shipped router, e.g. "smollm2_s30"."""
   from jakiro_jax.prune.train_router import load_router
@@ -35,8 +47,9 @@ def static_schedule(spec: str, num_layers: int) -> tuple[float, ...] | None:
   """The per-block schedule a static-router prefill runs, named by `spec`:
 
   "dense" -> None (no pruning); "uniform:S" -> mean S, block 0 dense; a shipped name
-  (e.g. "smollm2_s30") -> its searched schedule; a path to a `schedule.json` (from
-  `launch.prune --mode=search`) or a `router.json` -> its searched schedule.
+  (`shipped_schedules()`, e.g. "smollm2_s30", "smollm2_s30_long") -> its searched
+  schedule; a path to a `schedule.json` (from `launch.prune --mode=search`) or a
+  `router.json` -> its searched schedule.
   """
   import json
 
@@ -50,12 +63,13 @@ def static_schedule(spec: str, num_layers: int) -> tuple[float, ...] | None:
     except ValueError:
       raise ValueError(f"schedule {spec!r}: uniform:S needs a number S") from None
     return check_schedule(uniform_schedule(num_layers, sparsity), num_layers)
-  if spec in shipped_names():
-    _, _, record = load_shipped(spec)
-    return check_schedule(record["searched_schedule"], num_layers)
-  if not os.path.isfile(spec):
-    raise ValueError(f"schedule {spec!r} is not 'dense', 'uniform:S', a shipped router "
-                     f"({', '.join(shipped_names())}) or a schedule.json / router.json file")
+  if spec in shipped_schedules():
+    name = "router.json" if spec in shipped_names() else "schedule.json"
+    spec = os.path.join(ASSET_DIR, spec, name)
+  elif not os.path.isfile(spec):
+    raise ValueError(f"schedule {spec!r} is not 'dense', 'uniform:S', a shipped schedule "
+                     f"({', '.join(shipped_schedules())}) or a schedule.json / router.json "
+                     f"file")
   try:
     with open(spec) as f:
       record = json.load(f)
