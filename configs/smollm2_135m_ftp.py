@@ -7,7 +7,9 @@
   python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=eval \
       --out_dir=/tmp/ftp_s30      # without --out_dir: the shipped smollm2_s30 router
 
-Other budgets: --config.budget=0.2 (each budget its own --out_dir).
+Other budgets: --config.budget=0.2 (each budget its own --out_dir). The hidden-state
+router ablation: --mode=train --config.router.inputs=hidden (then --mode=eval includes
+ftp_hidden).
 """
 
 import ml_collections
@@ -40,10 +42,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Schedule fine-tune with the trained dynamic router in the loop (0 generations: skip).
   c.finetune = ml_collections.ConfigDict(dict(population=6, generations=3, sigma=0.02))
 
-  # Router training: the target frozen, only the 385 router params.
+  # Router training: the target frozen, only the router params (385 for the factors).
+  # inputs: "factors" (4 -> 64 -> 1, written to OUT_DIR/router) or "hidden" (the input
+  # ablation: 576 -> 64 -> 1 on the hidden state, OUT_DIR/router_hidden, no fine-tune).
   c.router = ml_collections.ConfigDict(dict(
       steps=120, batch_size=2, rows=48, length=128, lr=1e-3, weight_decay=0.0, clip=1.0,
-      guide_fraction=0.5, save_every=20))
+      guide_fraction=0.5, save_every=20, inputs="factors"))
 
   # Held-out evaluation.
   c.eval = ml_collections.ConfigDict(dict(

@@ -11,10 +11,14 @@ search: genetic search of the per-block sparsities (mean = config.budget) with t
 train: trains the dynamic router under DIR/schedule.json (checkpoints in
   DIR/router/checkpoints, resumed), then fine-tunes the schedule with the router in the
   loop (config.finetune); writes DIR/router/router.json (router + fine-tuned schedule).
+  --config.router.inputs=hidden trains the input ablation instead: the hidden-state router
+  (D -> 64 -> 1 on the residual stream entering each block) in DIR/router_hidden/, on the
+  searched schedule (no fine-tune); DIR/router/ is left as it is.
 eval: held-out perplexity, KL / top-1 vs dense, greedy-32 agreement, MC accuracy, achieved
   sparsity and FLOPs ratio of FTP-dynamic, FTP-static (searched schedule), uniform-static,
-  random and ShortGPT at the router's budget; without --out_dir the shipped router
-  (--shipped, default smollm2_s30) and its schedule. Writes --json_out.
+  random and ShortGPT at the router's budget, and FTP-hidden when
+  DIR/router_hidden/router.json exists; without --out_dir the shipped router (--shipped,
+  default smollm2_s30) and its schedule. Writes --json_out.
 
 Every mode is seeded and its runs resume where a killed one stopped.
 """
@@ -39,11 +43,24 @@ _OUT_DIR = flags.DEFINE_string("out_dir", None, "Run directory (search and train
 _SHIPPED = flags.DEFINE_string("shipped", "smollm2_s30", "eval without --out_dir: the "
                                "shipped router's name.")
 _METHODS = flags.DEFINE_list("methods", None, "eval: a subset of dense,ftp_dynamic,"
-                             "ftp_static,uniform_static,random,shortgpt (default all).")
+                             "ftp_static,uniform_static,random,shortgpt,ftp_hidden (default "
+                             "all; ftp_hidden when DIR/router_hidden/router.json exists).")
 _NO_MC = flags.DEFINE_bool("no_mc", False, "eval: skip the multiple-choice accuracy.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "eval: write the report here.")
 
-ALL_METHODS = ("dense", "ftp_dynamic", "ftp_static", "uniform_static", "random", "shortgpt")
+ALL_METHODS = ("dense", "ftp_dynamic", "ftp_static", "uniform_static", "random", "shortgpt",
+               "ftp_hidden")
+METHOD_LABELS = {
+    "dense": "dense",
+    "ftp_dynamic": "FTP-dynamic (trained router, fine-tuned schedule)",
+    "ftp_static": "FTP-static (searched schedule)",
+    "uniform_static": "uniform static",
+    "random": "random token skipping",
+    "shortgpt": "ShortGPT (whole blocks removed)",
+    "ftp_hidden": "FTP-hidden (hidden-state router, searched schedule)",
+}
+ROUTER_INPUTS = ("factors", "hidden")
+ROUTER_DIRS = {"factors": "router", "hidden": "router_hidden"}
 
 
 def _paths(config) -> dict:
@@ -64,6 +81,10 @@ def _check_config(config) -> None:
   from jakiro_jax.prune.schedule import check_budget
   check_budget(config.budget)
   cli.require_positive(calib_rows=config.calib_rows, calib_length=config.calib_length)
+  inputs = config.router.get("inputs", "factors")
+  if inputs not in ROUTER_INPUTS:
+    raise app.UsageError(f"--config.router.inputs must be one of {', '.join(ROUTER_INPUTS)},"
+                         f" got {inputs!r}")
 
 
 def _load_target(config):
@@ -135,34 +156,48 @@ def run_train(config, out_dir, paths) -> None:
   schedule = _read_schedule(out_dir)
   target = _load_target(config)
   r = config.router
+  inputs = r.get("inputs", "factors")
   tokens = _calibration(target, config, paths, r.rows, r.length, config.seed + 1)
   settings = tr.RouterSettings(steps=r.steps, batch_size=r.batch_size, lr=r.lr,
                                weight_decay=r.weight_decay, clip=r.clip,
                                guide_fraction=r.guide_fraction, save_every=r.save_every,
                                seed=config.seed)
-  router_dir = os.path.join(out_dir, "router")
+  router_dir = os.path.join(out_dir, ROUTER_DIRS[inputs])
   start = time.time()
   result = tr.train_router(target.params, target.config, tokens, schedule, settings,
-                           router_dir)
+                           router_dir, inputs=inputs)
   train_seconds = time.time() - start
   router = result["router"]
   finetuned, ft_record = schedule, {}
-  if config.finetune.generations > 0:
-    calib = _calibration(target, config, paths, config.calib_rows, config.calib_length,
-                         config.seed)
+  calib = _calibration(target, config, paths, config.calib_rows, config.calib_length,
+                       config.seed)
+  fitness = search.kl_fitness(target.params, target.config, calib,
+                              agree_weight=config.ga.agree_weight, router=router)
+  # The hidden-state router is the input ablation: evaluated on the searched schedule.
+  if inputs == "factors" and config.finetune.generations > 0:
     ft = _ga_settings(config, config.finetune, init_noise=config.finetune.sigma)
-    fitness = search.kl_fitness(target.params, target.config, calib,
-                                agree_weight=config.ga.agree_weight, router=router)
     res = search.run_search(fitness, target.config.num_layers, config.budget, ft,
                             os.path.join(out_dir, "finetune"), [schedule])
     finetuned = res["schedule"]
-    ft_record = {"finetune_history": res["history"], "searched_schedule": list(schedule),
-                 "searched_fitness_dynamic": fitness(schedule)}
+    ft_record = {"finetune_history": res["history"]}
+  ft_record.update(searched_schedule=list(schedule),
+                   searched_fitness_dynamic=fitness(schedule))
+  # The loss terms of this call's steps (all of them unless it resumed a killed run).
+  history = result["history"]
+  if history:
+    ft_record.update(history_first_step=result["step"] - len(history) + 1,
+                     history=history)
   tr.save_router(os.path.join(router_dir, tr.ROUTER_FILE), router, finetuned,
                  dict(ft_record, steps=settings.steps, train_seconds=train_seconds,
-                      target=config.target))
-  print(f"router trained ({settings.steps} steps, {train_seconds:.0f} s); schedule "
-        f"{'fine-tuned' if ft_record else 'as searched'}: "
+                      target=config.target, inputs=inputs))
+  print(f"searched schedule with the trained router in the loop: fitness "
+        f"{ft_record['searched_fitness_dynamic']:.4f}")
+  if history:
+    first_step = ft_record["history_first_step"]
+    print(f"distillation KL: step {first_step} {history[0]['distill']:.3f}, step "
+          f"{result['step']} {history[-1]['distill']:.3f}")
+  print(f"{inputs} router trained ({settings.steps} steps, {train_seconds:.0f} s); schedule "
+        f"{'fine-tuned' if 'finetune_history' in ft_record else 'as searched'}: "
         f"{' '.join(f'{s:.2f}' for s in finetuned)}")
 
 
@@ -173,15 +208,22 @@ def _progress(start, what) -> None:
 def run_eval(config, out_dir, paths) -> dict:
   import numpy as np
 
-  from jakiro_jax.prune import assets, baselines
+  from jakiro_jax.prune import assets, baselines, routers
   from jakiro_jax.prune import evaluate as ev
   from jakiro_jax.prune import train_router as tr
   from jakiro_jax.prune.schedule import mean_sparsity, uniform_schedule
 
-  methods = tuple(_METHODS.value or ALL_METHODS)
+  hidden_file = (os.path.join(out_dir, ROUTER_DIRS["hidden"], tr.ROUTER_FILE)
+                 if out_dir else None)
+  has_hidden = hidden_file is not None and os.path.isfile(hidden_file)
+  default = ALL_METHODS if has_hidden else tuple(m for m in ALL_METHODS if m != "ftp_hidden")
+  methods = tuple(_METHODS.value or default)
   unknown = [m for m in methods if m not in ALL_METHODS]
   if unknown:
     raise app.UsageError(f"--methods: unknown {unknown}; choose from {list(ALL_METHODS)}")
+  if "ftp_hidden" in methods and not has_hidden:
+    raise app.UsageError("--methods=ftp_hidden needs --out_dir with router_hidden/"
+                         f"{tr.ROUTER_FILE} (--mode=train --config.router.inputs=hidden)")
   if out_dir:
     router, schedule, record = tr.load_router(os.path.join(out_dir, "router"))
     source = out_dir
@@ -190,8 +232,20 @@ def run_eval(config, out_dir, paths) -> dict:
     source = f"shipped:{_SHIPPED.value}"
   searched = tuple(record.get("searched_schedule", schedule))
   budget = mean_sparsity(schedule)
+  hidden_router = hidden_schedule = None
+  if "ftp_hidden" in methods:
+    hidden_router, hidden_schedule, _ = tr.load_router(hidden_file)
+    if abs(mean_sparsity(hidden_schedule) - budget) > 1e-6:
+      raise ValueError(f"{hidden_file} has budget {mean_sparsity(hidden_schedule):.4f}, "
+                       f"the router in {out_dir}/router {budget:.4f}")
   target = _load_target(config)
   tc = target.config
+  for where, r in ((f"{source} router", router), (hidden_file, hidden_router)):
+    if r is not None:  # a clear error for a router of another model's hidden size
+      try:
+        routers.router_input_kind(routers.router_input_size(r), tc.hidden_size)
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
   e = config.eval
   calib = _calibration(target, config, paths, config.calib_rows, config.calib_length,
                        config.seed)
@@ -208,9 +262,13 @@ def run_eval(config, out_dir, paths) -> dict:
       "shortgpt": ev.Method("shortgpt", "shortgpt",
                             removed=baselines.shortgpt_removed(influence, budget)),
   }
+  if hidden_router is not None:
+    known["ftp_hidden"] = ev.Method("ftp_hidden", "dynamic", hidden_schedule,
+                                    router=hidden_router)
   chosen = [known[m] for m in methods]
   report = {"source": source, "budget": budget, "schedule": list(schedule),
             "searched_schedule": list(searched),
+            "hidden_schedule": None if hidden_schedule is None else list(hidden_schedule),
             "shortgpt_removed": list(known["shortgpt"].removed), "methods": {}}
   start = time.time()
   articles = ev.article_rows(target, paths["articles"], e.articles, e.article_length)
@@ -232,6 +290,7 @@ def run_eval(config, out_dir, paths) -> dict:
     tokens, keep = ev.generate(target.params, tc, m, gen_tok, gen_len, e.gen_tokens)
     _progress(start, f"greedy {m.name}")
     report["methods"][m.name] = {
+        "label": METHOD_LABELS[m.name],
         "articles": art[m.name], "questions": que[m.name],
         "greedy": ev.greedy_agreement(reference, tokens),
         "decode_sparsity": float(1.0 - keep.mean()),

@@ -142,6 +142,18 @@ def test_cli_bad_input_is_one_line():
       "error: --mode=train needs --out_dir")
 
 
+def test_cli_checks_the_router_inputs(tmp_path):
+  out = _cli("--mode=train", f"--out_dir={tmp_path}", "--config.router.inputs=both")
+  assert out.returncode == 2 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == (
+      "error: --config.router.inputs must be one of factors, hidden, got 'both'")
+  # ftp_hidden needs a run directory holding router_hidden/router.json
+  out = _cli("--mode=eval", f"--out_dir={tmp_path}", "--methods=dense,ftp_hidden")
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      "error: --methods=ftp_hidden needs --out_dir with router_hidden/router.json "
+      "(--mode=train --config.router.inputs=hidden)")
+
+
 def test_shipped_router_loads_with_its_budget():
   from jakiro_jax.prune import assets
   router, schedule, record = assets.load_shipped("smollm2_s30")

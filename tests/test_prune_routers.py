@@ -201,3 +201,85 @@ def test_router_schedule_must_fit_the_model(setup):
     routers.dynamic_route(routers.init_router(0), (0.0, 0.1, 1.0))
   with pytest.raises(ValueError, match="lengths must be"):
     routers.static_keep_mask(SCHEDULE, [0, 3], 3)
+
+
+# ------------------------------------------------------------- hidden-state router
+
+def _context(hidden, positions, table, layer=1):
+  full = jnp.full((hidden.shape[0],), hidden.shape[1], jnp.int32)
+  return BlockContext(layer=layer, positions=positions, slots=arange_positions(*positions.shape),
+                      real=jnp.ones(positions.shape, bool), num_real=full, seq_len=full,
+                      table=table, in_seq=jnp.ones(table.shape, bool), hidden=hidden)
+
+
+@jax.jit
+def _context_probs(router_params, hidden, positions, table):
+  """`learnt_prob` at one block (s = 0.5) and for an [N] sparsity (the one-pass call)."""
+  ctx = _context(hidden, positions, table)
+  return (routers.learnt_prob(router_params, ctx, 0.5),
+          routers.learnt_prob(router_params, ctx, jnp.asarray(SCHEDULE[1:])))
+
+
+def test_hidden_router_reads_the_hidden_state_and_nothing_else(setup):
+  config, _ = setup
+  d = config.hidden_size
+  hidden_router = routers.init_router(7, inputs=d)
+  assert hidden_router["w1"].shape == (d, routers.ROUTER_HIDDEN)
+  rng = np.random.RandomState(0)
+  hidden = jnp.asarray(rng.standard_normal((B, T, d)), jnp.float32)
+  positions = arange_positions(B, T)
+  table = jnp.asarray(rng.uniform(size=(B, T)), jnp.float32)
+  prob, per_block = _context_probs(hidden_router, hidden, positions, table)
+  # the MLP on x / rms(x)
+  x = np.asarray(hidden, np.float64)
+  x = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + routers.HIDDEN_EPS)
+  np.testing.assert_allclose(prob, routers.router_prob(hidden_router, jnp.asarray(x)),
+                             rtol=1e-5)
+  assert per_block.shape == (B, T, len(SCHEDULE) - 1)  # the same value for every block
+  np.testing.assert_array_equal(per_block, np.repeat(np.asarray(prob)[..., None], 2, -1))
+  # other positions and attention: the factor router moves, the hidden one does not
+  moved = (jnp.flip(positions, -1), 3.0 * jnp.flip(table, -1))
+  factor_router = routers.init_router(7)
+  assert not np.allclose(_context_probs(factor_router, hidden, *moved)[0],
+                         _context_probs(factor_router, hidden, positions, table)[0])
+  np.testing.assert_array_equal(_context_probs(hidden_router, hidden, *moved)[0], prob)
+  # another hidden state moves it; a rescaled one does not (RMS normalised)
+  other = hidden.at[:, 3].add(2.0)
+  changed = np.asarray(_context_probs(hidden_router, other, positions, table)[0])
+  assert np.abs(changed[:, 3] - np.asarray(prob)[:, 3]).min() > 1e-4
+  np.testing.assert_array_equal(np.delete(changed, 3, 1), np.delete(np.asarray(prob), 3, 1))
+  np.testing.assert_allclose(_context_probs(hidden_router, 5.0 * hidden, positions, table)[0],
+                             prob, rtol=1e-5)
+
+
+def test_router_input_size_must_be_the_factors_or_the_hidden_size():
+  hidden = jnp.zeros((1, 2, 72))
+  ctx = _context(hidden, arange_positions(1, 2), jnp.zeros((1, 2)))
+  with pytest.raises(ValueError, match=r"router w1 has input size 5; it must be 4 \(the "
+                     r"factors\) or the model's hidden size 72 \(the hidden state\)"):
+    routers.dynamic_route(routers.init_router(0, inputs=5), SCHEDULE)(ctx, None)
+  with pytest.raises(ValueError, match="the model's hidden size is 4, the number of router "
+                     "factors: a router's input kind would be ambiguous"):
+    routers.router_inputs(ctx.replace(hidden=jnp.zeros((1, 2, 4))), 0.5, routers.init_router(0))
+  with pytest.raises(ValueError, match="a hidden-state router needs BlockContext.hidden"):
+    routers.router_inputs(ctx.replace(hidden=None), 0.5, routers.init_router(0, inputs=72))
+  with pytest.raises(ValueError, match="router inputs 'mixed' is not one of"):
+    routers.inputs_of_kind("mixed", 72)
+  assert routers.inputs_of_kind("hidden", 72) == 72 and routers.inputs_of_kind("factors", 72) == 4
+
+
+def test_hidden_router_sees_each_block_input_in_both_prefills(setup):
+  config, params = setup
+  hidden_router = routers.init_router(8, inputs=config.hidden_size)
+  tokens = tokens_of(3, B, T)
+  _, masked = prefill(setup, "dynamic", hidden_router, tokens)
+  # block 0's input is the embedding
+  x0 = routers.hidden_features(pm.embed(params, config, tokens))
+  np.testing.assert_allclose(masked.prob[:, 0], routers.router_prob(hidden_router, x0),
+                             rtol=1e-5)
+  assert np.abs(np.asarray(masked.prob[:, 1] - masked.prob[:, 0])).max() > 1e-3
+  _, gathered = pruned_prefill_jit(params, hidden_router, tokens,
+                                   new_pruned_cache(config, B, T), config=config,
+                                   schedule=SCHEDULE, router="dynamic")
+  np.testing.assert_array_equal(gathered.keep, masked.keep)
+  np.testing.assert_allclose(gathered.prob, masked.prob, rtol=1e-4, atol=1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,3 +111,43 @@ def test_router_file_errors(tmp_path):
   bad.write_text(json.dumps({"router": {"w1": [[0.0]]}, "schedule": [0.0]}))
   with pytest.raises(ValueError, match="shape"):
     tr.load_router(str(bad))
+
+
+def test_distillation_gradient_reaches_a_hidden_router(setup):
+  config, params, tokens, lengths, dense = setup
+  hidden_router = routers.init_router(1, inputs=config.hidden_size)
+  sparsity = jnp.asarray(SCHEDULE, jnp.float32)
+  counts = jnp.asarray(routers.count_tables(SCHEDULE, tokens.shape[1]))
+  mask = jnp.asarray(routers.static_keep_mask(SCHEDULE, lengths[:2], tokens.shape[1]))
+
+  @jax.jit
+  def distill(router):
+    _, terms = tr.router_loss(router, params, jnp.asarray(tokens[:2]),
+                              jnp.asarray(lengths[:2]), mask, jnp.asarray(dense[:2]),
+                              sparsity, counts, 0.0, config=config)
+    return terms["distill"]
+
+  value, grads = jax.value_and_grad(distill)(hidden_router)
+  assert np.isfinite(float(value)) and float(value) > 0
+  w1 = np.asarray(grads["w1"])
+  assert w1.shape == (config.hidden_size, routers.ROUTER_HIDDEN) and np.all(np.isfinite(w1))
+  assert np.abs(w1).max() > 0, "no distillation gradient reaches w1"
+
+
+def test_hidden_router_file_round_trip(tmp_path):
+  hidden_router = routers.init_router(3, inputs=72)
+  tr.save_router(str(tmp_path / tr.ROUTER_FILE), hidden_router, SCHEDULE, {"inputs": "hidden"})
+  router, schedule, record = tr.load_router(str(tmp_path))
+  assert schedule == SCHEDULE and record["inputs"] == "hidden"
+  for k, v in hidden_router.items():
+    assert router[k].shape == v.shape
+    np.testing.assert_array_equal(np.asarray(router[k]), np.asarray(v, np.float32))
+  # the other params must fit w1's router
+  data = tr.router_to_json(hidden_router)
+  data["w2"] = data["w2"][:10]
+  with pytest.raises(ValueError, match=r"router param 'w2' has shape \(10, 1\), expected "
+                     r"\(64, 1\)"):
+    tr.router_from_json(data)
+  with pytest.raises(ValueError, match="router inputs 'both' is not one of"):
+    tr.train_router(None, tiny_config(), np.zeros((2, 4), np.int32), SCHEDULE,
+                    SETTINGS, str(tmp_path / "x"), inputs="both")

@@ -8,7 +8,8 @@ Modules:
             `straight_through`
   model     masked-dense token-skipping `forward`, `prefill`, `decode_step` (training,
             evaluation, decode)
-  routers   static priority, dynamic (per block) and one-pass learnt routers
+  routers   static priority, dynamic (per block) and one-pass learnt routers (on the four
+            factors or, the input ablation, the hidden state)
   prefill   gathered prefill with real compute savings (`prefill_gathered`,
             `pruned_prefill_jit`)
   flops     per-block and total FLOPs of a schedule against the dense model

@@ -242,7 +242,8 @@ def forward(params, config: LlamaConfig, tokens: jax.Array, positions: jax.Array
   keeps, probs, carry = [], [], None
   for i in range(config.num_layers):
     ctx = BlockContext(layer=i, positions=positions, slots=slots, real=real,
-                       num_real=num_real, seq_len=seq_len, table=table, in_seq=in_seq)
+                       num_real=num_real, seq_len=seq_len, table=table, in_seq=in_seq,
+                       hidden=x)
     decision, carry = route(ctx, carry)
     if decision.keep.shape != (batch, num_new):
       raise ValueError(f"route returned keep of shape {decision.keep.shape} at block {i}, "

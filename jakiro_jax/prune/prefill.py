@@ -113,8 +113,10 @@ def prefill_gathered(params, config: LlamaConfig, tokens: jax.Array, cache: Prun
   x = embed(params, config, tokens)
   keeps, probs, carry = [], [], None
   for i, k in enumerate(counts):
+    # The router sees the full residual stream `[B, T, D]`, before this block's gather.
     ctx = BlockContext(layer=i, positions=positions, slots=slots, real=real,
-                       num_real=num_real, seq_len=seq_len, table=table, in_seq=in_seq)
+                       num_real=num_real, seq_len=seq_len, table=table, in_seq=in_seq,
+                       hidden=x)
     decision, carry = route(ctx, carry)
     decision = without_padding(decision, real)
     gate = (decision.keep.astype(x.dtype) if decision.gate is None

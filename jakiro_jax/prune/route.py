@@ -29,6 +29,9 @@ class BlockContext:
   seq_len: jax.Array  # [B] int32, tokens of the sequence so far, this call's included
   table: jax.Array  # [B, S] float32, attention received at the latest block that computed the slot
   in_seq: jax.Array  # [B, S] bool, slot holds a token of the sequence
+  # [B, T, D] the residual stream entering the block (this call's tokens, before any
+  # gathering); read by the hidden-state router. None where a caller has no hidden state.
+  hidden: jax.Array | None = None
 
 
 class Decision(NamedTuple):

@@ -1,8 +1,9 @@
 """Routers: which tokens each block computes.
 
 Axis letters: B batch, T tokens of this call, S cache slots, L layers (blocks), F = 4
-router factors. Every router is a route (`prune.route`): `route(ctx, carry) ->
-(Decision, carry)`, called by the forward once per block.
+router factors, D hidden size, I router input size (F or D). Every router is a route
+(`prune.route`): `route(ctx, carry) -> (Decision, carry)`, called by the forward once per
+block.
 
 - Static router: position priority x_0, x_{L-1}, x_{L-2}, ..., x_1 (attention sink, then
   recency); block i keeps the top `k_i = ceil((1 - s_i) L)`. Untrained.
@@ -14,6 +15,14 @@ router factors. Every router is a route (`prune.route`): `route(ctx, carry) ->
 - One-pass router: the same MLP called once, before block 1, on the block-0 attention,
   for every later block at once; block 0 itself uses the static router. Its decisions
   need no attention probabilities after block 0.
+- Hidden-state router (the input ablation, MoD-style): the same MLP shape D -> 64 -> 1
+  whose input is the residual stream entering the block (`BlockContext.hidden`),
+  RMS-normalised without a learnt scale; no position, attention or sparsity input. The
+  input kind follows from `w1`'s first dimension (`router_inputs`): F = the factors,
+  D = the hidden state, so every learnt route (per-block, one-pass, array-driven),
+  training, evaluation and the JSON files take either. In the one-pass router it reads
+  the hidden state entering block 1 once and gives every later block the same
+  probabilities (each block still keeps its own top k_i of them).
 
 Common rules: token 0 (the attention sink) is always kept; a block with s_i = 0 keeps
 every real token; right padding (`lengths`) is never kept.
@@ -144,13 +153,18 @@ def topk_keep(score: jax.Array, counts: jax.Array, eligible: jax.Array,
   return (rank < counts[:, None]) & eligible
 
 
-def init_router(seed: int | jax.Array = 0, hidden: int = ROUTER_HIDDEN) -> dict:
-  """Router MLP params (a plain pytree): `w1 [F, hidden], b1 [hidden], w2 [hidden, 1],
-  b2 [1]`, LeCun-normal weights, zero biases."""
+def init_router(seed: int | jax.Array = 0, hidden: int = ROUTER_HIDDEN,
+                inputs: int = ROUTER_FACTORS) -> dict:
+  """Router MLP params (a plain pytree): `w1 [I, hidden], b1 [hidden], w2 [hidden, 1],
+  b2 [1]`, LeCun-normal weights, zero biases. `inputs` I: `ROUTER_FACTORS` for the
+  four-factor router, the model's hidden size D for the hidden-state router."""
+  if int(inputs) < 1 or int(hidden) < 1:
+    raise ValueError(f"router sizes must be >= 1, got inputs {inputs}, hidden {hidden}")
   key = jax.random.PRNGKey(int(seed)) if isinstance(seed, (int, np.integer)) else seed
   k1, k2 = jax.random.split(key)
+  inputs = int(inputs)
   return {
-      "w1": jax.random.normal(k1, (ROUTER_FACTORS, hidden)) / np.sqrt(ROUTER_FACTORS),
+      "w1": jax.random.normal(k1, (inputs, hidden)) / np.sqrt(inputs),
       "b1": jnp.zeros((hidden,)),
       "w2": jax.random.normal(k2, (hidden, 1)) / np.sqrt(hidden),
       "b2": jnp.zeros((1,)),
@@ -158,7 +172,8 @@ def init_router(seed: int | jax.Array = 0, hidden: int = ROUTER_HIDDEN) -> dict:
 
 
 def router_prob(router_params: Mapping[str, jax.Array], factors: jax.Array) -> jax.Array:
-  """Keep probability `[...]` of factors `[..., F]`: sigmoid(w2 . gelu(w1 . f + b1) + b2)."""
+  """Keep probability `[...]` of inputs `[..., I]` (the factors or the normalised hidden
+  state): sigmoid(w2 . gelu(w1 . f + b1) + b2)."""
   h = jax.nn.gelu(factors @ router_params["w1"] + router_params["b1"], approximate=False)
   return jax.nn.sigmoid((h @ router_params["w2"] + router_params["b2"])[..., 0])
 
@@ -192,6 +207,78 @@ def router_factors(ctx: BlockContext, sparsity) -> jax.Array:
   return jnp.concatenate([base, s], axis=-1)
 
 
+ROUTER_INPUT_KINDS = ("factors", "hidden")
+HIDDEN_EPS = 1e-6
+
+
+def router_input_size(router_params: Mapping[str, jax.Array]) -> int:
+  """I = `w1.shape[0]`: `ROUTER_FACTORS` or the model's hidden size."""
+  shape = np.shape(router_params["w1"])
+  if len(shape) != 2:
+    raise ValueError(f"router w1 must be [I, hidden], got shape {shape}")
+  return int(shape[0])
+
+
+def router_input_kind(inputs: int, hidden_size: int) -> str:
+  """"factors" (I = 4) or "hidden" (I = D) of a router with input size `inputs` on a
+  model of hidden size `hidden_size`; a ValueError for any other size, and when D = 4
+  (the two kinds could not be told apart)."""
+  if hidden_size == ROUTER_FACTORS:
+    raise ValueError(f"the model's hidden size is {ROUTER_FACTORS}, the number of router "
+                     f"factors: a router's input kind would be ambiguous")
+  if inputs == ROUTER_FACTORS:
+    return "factors"
+  if inputs == hidden_size:
+    return "hidden"
+  raise ValueError(f"router w1 has input size {inputs}; it must be {ROUTER_FACTORS} (the "
+                   f"factors) or the model's hidden size {hidden_size} (the hidden state)")
+
+
+def inputs_of_kind(kind: str, hidden_size: int) -> int:
+  """The input size I of a router kind ("factors" or "hidden") on a model of hidden size D."""
+  if kind not in ROUTER_INPUT_KINDS:
+    raise ValueError(f"router inputs {kind!r} is not one of {ROUTER_INPUT_KINDS}")
+  size = ROUTER_FACTORS if kind == "factors" else int(hidden_size)
+  router_input_kind(size, hidden_size)  # refuses D = 4
+  return size
+
+
+def hidden_features(hidden: jax.Array, eps: float = HIDDEN_EPS) -> jax.Array:
+  """The hidden-state router's input: `x / sqrt(mean(x^2) + eps)` over D (RMS norm
+  without a learnt scale, so inputs have unit scale as `init_router` assumes), fp32."""
+  x = hidden.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def router_inputs(ctx: BlockContext, sparsity, router_params: Mapping[str, jax.Array]
+                  ) -> jax.Array:
+  """The input of a learnt router at this block, by `w1`'s input size: the four factors
+  `[B, T, F]` (`router_factors`; `[B, T, N, F]` for a `[N]` sparsity), or the normalised
+  hidden state entering the block `[B, T, D]` (`hidden_features`; the same for every
+  sparsity, which it does not read). Errors name a size that fits neither, a model with
+  D = 4, and a hidden-state router given a context without the hidden state."""
+  inputs = router_input_size(router_params)
+  if ctx.hidden is None:
+    if inputs == ROUTER_FACTORS:
+      return router_factors(ctx, sparsity)
+    raise ValueError(f"router w1 has input size {inputs} (not the {ROUTER_FACTORS} "
+                     f"factors): a hidden-state router needs BlockContext.hidden")
+  if router_input_kind(inputs, ctx.hidden.shape[-1]) == "factors":
+    return router_factors(ctx, sparsity)
+  return hidden_features(ctx.hidden)
+
+
+def learnt_prob(router_params: Mapping[str, jax.Array], ctx: BlockContext,
+                sparsity) -> jax.Array:
+  """Keep probabilities of this call's tokens: `[B, T]` for a scalar sparsity, `[B, T, N]`
+  for `[N]` (the hidden-state router's probabilities repeated over N)."""
+  prob = router_prob(router_params, router_inputs(ctx, sparsity, router_params))
+  batch_shape = ctx.positions.shape + jnp.shape(sparsity)
+  if prob.shape != batch_shape:  # hidden input with an [N] sparsity: one value per token
+    prob = jnp.broadcast_to(prob[..., None], batch_shape)
+  return prob
+
+
 def _decide(prob: jax.Array, sparsity: float, ctx: BlockContext, mode: str,
             threshold: float) -> jax.Array:
   """Hard keep `[B, T]` from probabilities `[B, T]` for one block."""
@@ -214,7 +301,7 @@ def dynamic_route(router_params: Mapping[str, jax.Array], schedule: Sequence[flo
 
   def route(ctx: BlockContext, carry):
     s = _layer_sparsity(schedule, ctx.layer)
-    prob = router_prob(router_params, router_factors(ctx, s))
+    prob = learnt_prob(router_params, ctx, s)
     keep = _decide(prob, s, ctx, mode, threshold)
     return Decision(keep, straight_through(keep, prob), prob), carry
 
@@ -226,7 +313,9 @@ def one_pass_route(router_params: Mapping[str, jax.Array], schedule: Sequence[fl
                    mode: str = "topk", threshold: float = 0.5) -> Route:
   """The one-pass learnt router: block 0 by the static router (its prob is its 0/1
   decision); at block 1 one MLP call on (position, block-0 attention, its rank, s_i) gives
-  every later block's probabilities, kept in the carry and replayed at each block."""
+  every later block's probabilities, kept in the carry and replayed at each block. A
+  hidden-state router reads the hidden state entering block 1 (block 0's output) for every
+  later block: one probability per token, each block keeping its own top k_i."""
   schedule = _check_schedule_values(schedule)
   _check_mode(mode)
   static = static_route(schedule)
@@ -239,7 +328,7 @@ def one_pass_route(router_params: Mapping[str, jax.Array], schedule: Sequence[fl
       if ctx.layer != 1:
         raise ValueError("one_pass_route must be called from block 0 on")
       later = jnp.asarray(schedule[1:], jnp.float32)
-      carry = router_prob(router_params, router_factors(ctx, later))  # [B, T, N-1]
+      carry = learnt_prob(router_params, ctx, later)  # [B, T, N-1]
     s = _layer_sparsity(schedule, ctx.layer)
     prob = carry[:, :, ctx.layer - 1]
     keep = _decide(prob, s, ctx, mode, threshold)
@@ -282,7 +371,7 @@ def array_dynamic_route(router_params: Mapping[str, jax.Array], sparsity: jax.Ar
 
   def route(ctx: BlockContext, carry):
     s = sparsity[ctx.layer]
-    prob = router_prob(router_params, router_factors(ctx, s))
+    prob = learnt_prob(router_params, ctx, s)
     first = ctx.positions == 0
     if mode == "topk":
       # A dense block's count is every real token, so top-k keeps them all.

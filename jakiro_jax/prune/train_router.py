@@ -1,4 +1,5 @@
-"""Training the dynamic router with the target frozen (only the 385 router params move).
+"""Training the dynamic router with the target frozen (only the router params move: 385
+for the four-factor router, D * 64 + 129 for the hidden-state one, 36,993 at D = 576).
 
 Axis letters: B batch, L layers (blocks), T tokens, V vocab, N = L schedule entries.
 
@@ -152,7 +153,12 @@ def router_to_json(router: Mapping[str, jax.Array]) -> dict:
 
 
 def router_from_json(data: Mapping[str, list]) -> dict:
-  expected = {k: v.shape for k, v in routers.init_router(0).items()}
+  """Router params of `router_to_json`'s lists; the input size I (factors or hidden) is
+  read from w1's rows, the other shapes must match `init_router(inputs=I)`."""
+  w1 = np.shape(data.get("w1", []))
+  # A w1 that is not a matrix keeps the factor shapes: the check below names it.
+  inputs = w1[0] if len(w1) == 2 and w1[0] > 0 else routers.ROUTER_FACTORS
+  expected = {k: v.shape for k, v in routers.init_router(0, inputs=inputs).items()}
   out = {}
   for k, shape in expected.items():
     if k not in data:
@@ -193,14 +199,17 @@ def load_router(path: str) -> tuple[dict, tuple[float, ...], dict]:
 def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequence[float],
                  settings: RouterSettings, out_dir: str, lengths: np.ndarray | None = None,
                  progress: bool = True, stop_after: int | None = None,
-                 dense_logp: np.ndarray | None = None) -> dict:
+                 dense_logp: np.ndarray | None = None, inputs: str = "factors") -> dict:
   """Trains the router on rows `tokens [R, T]` under `schedule`; checkpoints in
   `out_dir/checkpoints`, resumes from the latest one. Returns {"router", "history" (the
   terms of this call's steps), "step"}; writes `out_dir/router.json` when finished.
-  stop_after: return after that many steps of this call (to test resumption)."""
+  stop_after: return after that many steps of this call (to test resumption).
+  inputs: "factors" (the 4 -> 64 -> 1 router) or "hidden" (D -> 64 -> 1 on the hidden
+  state entering each block)."""
   from jakiro_jax.train.checkpoints import TrainCheckpoints
 
   settings.check()
+  input_size = routers.inputs_of_kind(inputs, config.hidden_size)
   schedule = check_schedule(schedule, config.num_layers)
   tokens = np.asarray(tokens, np.int32)
   num_rows, num = tokens.shape
@@ -212,11 +221,11 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
   sparsity = jnp.asarray(schedule, jnp.float32)
   counts = jnp.asarray(routers.count_tables(schedule, num))
 
-  router = routers.init_router(settings.seed)
+  router = routers.init_router(settings.seed, inputs=input_size)
   opt_state = optimizer(settings).init(router)
   state = {"router": router, "opt_state": opt_state, "step": jnp.asarray(0, jnp.int32)}
   meta = {"schedule": list(schedule), "settings": dataclasses.asdict(settings),
-          "rows": num_rows, "length": num}
+          "rows": num_rows, "length": num, "inputs": inputs}
   os.makedirs(out_dir, exist_ok=True)
   checkpoints = TrainCheckpoints(os.path.join(out_dir, CHECKPOINT_DIR))
   history = []
@@ -231,7 +240,11 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
         state, saved = checkpoints.restore(latest, abstract)
       except Exception as e:  # orbax raises several types for a damaged directory
         raise ValueError(f"checkpoint {latest} in {out_dir}/{CHECKPOINT_DIR} is corrupt "
+                         f"or holds another router kind than {inputs} "
                          f"({type(e).__name__}); delete it to restart") from None
+      if saved.get("inputs", "factors") != inputs:
+        raise ValueError(f"{out_dir} holds a run of a {saved.get('inputs', 'factors')} "
+                         f"router, not {inputs}; use another --out_dir")
       if saved.get("schedule") != meta["schedule"] or saved.get("settings") != meta["settings"]:
         raise ValueError(f"{out_dir} holds a run with another schedule or settings; use "
                          f"another --out_dir")
@@ -267,5 +280,6 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
     checkpoints.close()
   if step == settings.steps:
     save_router(os.path.join(out_dir, ROUTER_FILE), router, schedule,
-                {"steps": settings.steps, "settings": dataclasses.asdict(settings)})
+                {"steps": settings.steps, "settings": dataclasses.asdict(settings),
+                 "inputs": inputs})
   return {"router": router, "history": history, "step": step}
