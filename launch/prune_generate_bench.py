@@ -54,6 +54,8 @@ def agreement(reference: list, output: list) -> dict:
 
 def main(argv):
   cli.check_unexpected(argv)
+  import jax
+
   from jakiro_jax import atomic_dir
   from jakiro_jax.prune.assets import static_schedule
   from jakiro_jax.prune.flops import schedule_flops
@@ -135,6 +137,10 @@ def main(argv):
               f"mismatches {fields['greedy_mismatches']}", file=sys.stderr)
       rows[key] = row
       atomic_dir.write_json(_JSON_OUT.value, results)
+      # Every prompt bucket x schedule x loop is its own executable, and XLA's CPU JIT maps
+      # thousands of memory sections per executable: a long run hit the kernel's map
+      # limit (vm.max_map_count) in LLVM ("Cannot allocate memory"). Drop them per row.
+      jax.clear_caches()
   print(table(rows, _METHODS.value))
 
 
