@@ -152,6 +152,8 @@ def test_jakiro_star_reference_rule_fails_the_same_bounds(small_vocab_target):
 
 
 def test_broken_verifier_is_detected(small_vocab_target, monkeypatch):
+  """Dropping the residual distribution biases token 3 by TV ~0.23 here, twenty times its
+  bound, so 2 * 10^4 samples (noise TV <= 0.01) show it."""
   target = small_vocab_target
   sampling = SamplingConfig(temperature=1.0)
   drafter = Eagle2Drafter(target.config, TreeConfig(top_k=3, depth=2, total_tokens=8))
@@ -161,7 +163,7 @@ def test_broken_verifier_is_detected(small_vocab_target, monkeypatch):
   jax.clear_caches()  # the loop was compiled with the correct verifier
   try:
     exact12, exact3 = exact_distributions(target, sampling)
-    got12, got3 = sampled_distributions(target, drafter, params, sampling)
+    got12, got3 = sampled_distributions(target, drafter, params, sampling, batches=2)
   finally:
     monkeypatch.undo()
     jax.clear_caches()

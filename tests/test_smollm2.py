@@ -65,12 +65,14 @@ def test_bench_cli_rejects_bad_question_file(tmp_path):
 
 
 # Each method's greedy losslessness is tested in-process (test_speculative, test_gumiho,
-# test_jakiro_star, test_shipped_drafts); the CLI path runs once by default (the main job's
-# method), the others with -m slow (~30 s each on SmolLM2).
+# test_jakiro_star, test_shipped_drafts), the CLI with a draft by
+# test_generate_cli_with_a_draft_reports_tau_and_speedup; this bench path runs with
+# -m slow (~30-45 s each on SmolLM2).
 @pytest.mark.parametrize("method,tree", [
     pytest.param("eagle2", ["--top_k=2", "--depth=2", "--total_tokens=5"],
                  marks=pytest.mark.slow),
-    ("jakiro", ["--top_k=2", "--depth=2", "--total_tokens=5"]),
+    pytest.param("jakiro", ["--top_k=2", "--depth=2", "--total_tokens=5"],
+                 marks=pytest.mark.slow),
     pytest.param("gumiho", ["--top_k=2", "--depth=6", "--total_tokens=6"],  # 1 serial + 5 MLP
                  marks=pytest.mark.slow),
     pytest.param("gumiho", ["--top_k=2", "--depth=6", "--total_tokens=6", "--fta"],
