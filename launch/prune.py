@@ -59,7 +59,6 @@ METHOD_LABELS = {
     "shortgpt": "ShortGPT (whole blocks removed)",
     "ftp_hidden": "FTP-hidden (hidden-state router, searched schedule)",
 }
-ROUTER_INPUTS = ("factors", "hidden")
 ROUTER_DIRS = {"factors": "router", "hidden": "router_hidden"}
 
 
@@ -81,9 +80,10 @@ def _check_config(config) -> None:
   from jakiro_jax.prune.schedule import check_budget
   check_budget(config.budget)
   cli.require_positive(calib_rows=config.calib_rows, calib_length=config.calib_length)
+  from jakiro_jax.prune.routers import ROUTER_INPUT_KINDS
   inputs = config.router.get("inputs", "factors")
-  if inputs not in ROUTER_INPUTS:
-    raise app.UsageError(f"--config.router.inputs must be one of {', '.join(ROUTER_INPUTS)},"
+  if inputs not in ROUTER_INPUT_KINDS:
+    raise app.UsageError(f"--config.router.inputs must be one of {', '.join(ROUTER_INPUT_KINDS)},"
                          f" got {inputs!r}")
 
 

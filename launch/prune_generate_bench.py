@@ -61,7 +61,7 @@ def main(argv):
   from jakiro_jax.prune.flops import schedule_flops
   from jakiro_jax.speculative.sampling import SamplingConfig
   from jakiro_jax.target import load_target
-  from launch.lib.benchmark import (_timed_runs, ar_baseline, read_questions, resolve_draft,
+  from launch.lib.benchmark import (per_prompt_runs, ar_baseline, read_questions, resolve_draft,
                                     spec_fields, spec_runs, tree_and_options)
 
   cli.require_positive(max_questions=_MAX_QUESTIONS.value, max_new_tokens=_MAX_NEW.value)
@@ -93,7 +93,7 @@ def main(argv):
 
   def prefill_seconds(prompts, schedule):
     from jakiro_jax.speculative.autoregressive import generate_ar
-    runs = _timed_runs(prompts, lambda p, i: generate_ar(target, [p], 1,
+    runs = per_prompt_runs(prompts, lambda p, i: generate_ar(target, [p], 1,
                                                          prune_schedule=schedule), "prefill")
     return statistics.median(r.seconds for r in runs)
 

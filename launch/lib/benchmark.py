@@ -53,7 +53,7 @@ def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
   return drafter, params
 
 
-def _timed_runs(prompts, generate_fn, desc):
+def per_prompt_runs(prompts, generate_fn, desc):
   """Warm-up compile per prompt bucket (untimed), then one timed run per prompt."""
   from tqdm import tqdm
 
@@ -84,7 +84,7 @@ def ar_baseline(target, prompts, max_new_tokens: int, sampling, seed: int,
   token-pruned prefill (`generate_ar`)."""
   from jakiro_jax.speculative.autoregressive import generate_ar
 
-  runs = _timed_runs(
+  runs = per_prompt_runs(
       prompts, lambda p, i: generate_ar(target, [p], max_new_tokens, sampling, seed=seed + i,
                                         mesh=mesh, prune_schedule=prune_schedule),
       "ar")
@@ -97,7 +97,7 @@ def spec_runs(target, drafter, params, prompts, max_new_tokens: int, sampling, s
   prompt bucket): one `SpecOutput` per prompt. `prune_schedule`: a token-pruned prefill."""
   from jakiro_jax.speculative.generate import generate
 
-  return _timed_runs(
+  return per_prompt_runs(
       prompts, lambda p, i: generate(target, drafter, params, [p], max_new_tokens, sampling,
                                      seed=seed + i, mesh=mesh,
                                      prune_schedule=prune_schedule), drafter.name)
