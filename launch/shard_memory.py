@@ -19,27 +19,15 @@ from absl import app, flags
 
 from launch import cli
 
-_PRESET = flags.DEFINE_enum("preset", "llama2_7b", ["llama2_7b", "llama31_8b"],
+from jakiro_jax.models.presets import PRESETS  # noqa: E402
+
+_PRESET = flags.DEFINE_enum("preset", "llama2_7b", sorted(PRESETS),
                             "Architecture when no --hf_config is given.")
 _HF_CONFIG = flags.DEFINE_string("hf_config", None, "A HuggingFace config.json instead.")
 _MESH = flags.DEFINE_string("mesh", "1,1,8", "DATA,FSDP,TENSOR.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weight and cache dtype.")
 _BATCH = flags.DEFINE_integer("batch", 1, "KV cache rows.")
 _MAX_LEN = flags.DEFINE_integer("max_len", 4096, "KV cache slots per row.")
-
-PRESETS = {  # HF config.json fields of the public checkpoints
-    "llama2_7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096,
-                      intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "llama31_8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
-                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
-                       tie_word_embeddings=False,
-                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                         high_freq_factor=4.0,
-                                         original_max_position_embeddings=8192)),
-}
-
 
 def sharded_memory(hf_config: dict, mesh_sizes, dtype: str = "bfloat16", batch: int = 1,
                    max_len: int = 4096) -> dict:

@@ -143,11 +143,15 @@ class MLP(nn.Module):
   def __call__(self, x):
     gate_up_w = _weight(self, "gate_up", (2, self.intermediate_size, self.hidden_size),
                         (None, "mlp", "embed"), self.dtype)
-    gate_up = _matmul_out_in(x, gate_up_w, in_dims=1)  # [B, T, 2, F]
+    # One product per half: merging the 2 with the tensor-split F axis (one [2F, D]
+    # product) is a reshape GSPMD can only do by gathering the whole weight.
+    gate = _matmul_out_in(x, gate_up_w[0], in_dims=1)  # [B, T, F]
+    up = _matmul_out_in(x, gate_up_w[1], in_dims=1)
     if self.bias:
-      gate_up = gate_up + _weight(self, "gate_up_bias", (2, self.intermediate_size),
-                                  (None, "mlp"), self.dtype, nn.initializers.zeros)
-    h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+      bias = _weight(self, "gate_up_bias", (2, self.intermediate_size), (None, "mlp"),
+                     self.dtype, nn.initializers.zeros)
+      gate, up = gate + bias[0], up + bias[1]
+    h = jax.nn.silu(gate) * up
     down_w = _weight(self, "down", (self.hidden_size, self.intermediate_size),
                      ("embed", "mlp"), self.dtype)
     out = _matmul_out_in(h, down_w, in_dims=1)
@@ -197,7 +201,7 @@ class Llama(nn.Module):
 
     Returns `(logits [B, T, V] or None, features [B, T, D], cache)`.
     """
-    x = self.embed_tokens(tokens)
+    x = self.embed(tokens)
     for layer in self.layers:
       x, cache = layer(x, positions, cache, mask)
     features = self.final_norm(x)
@@ -206,6 +210,11 @@ class Llama(nn.Module):
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """Token embeddings `[..., D]` (drafts share them)."""
+    if tokens.size == 1:
+      # XLA turns a one-index gather into a dynamic-slice, which the GPU partitioner
+      # serves by all-gathering the whole vocab-split table: look up two copies instead.
+      pair = jnp.concatenate([tokens.reshape(1), tokens.reshape(1)])
+      return self.embed_tokens(pair)[:1].reshape(tokens.shape + (-1,))
     return self.embed_tokens(tokens)
 
   def logits(self, features: jax.Array) -> jax.Array:

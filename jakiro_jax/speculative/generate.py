@@ -110,6 +110,61 @@ def first_stop(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
   return jnp.where(stop.any(-1), jnp.argmax(stop, axis=-1), tokens.shape[1])
 
 
+ROUND_STATIC_ARGS = ("target_config", "drafter", "max_new_tokens", "sampling", "stop_ids")
+
+
+def speculative_round(s: SpecState, target_params, draft_params, budgets: jax.Array,
+                      rng: jax.Array, *, target_config: LlamaConfig, drafter,
+                      max_new_tokens: int, sampling: SamplingConfig,
+                      stop_ids: tuple[int, ...]) -> SpecState:
+  """One round of the loop: draft a tree, verify it, commit the accepted path, feed the
+  draft. budgets `[B]`; `rng` the loop's key (the round folds in its index)."""
+  model = Llama(target_config)
+  head = TargetHead.of(target_config, target_params)
+  batch = s.root.shape[0]
+  rows = jnp.arange(batch)
+  max_path = drafter.tree.max_path
+  round_rng = jax.random.fold_in(rng, s.rounds + 1)
+  tree, draft_cache = draft_tree(drafter, draft_params, head, s.draft_hidden, s.root,
+                                 s.draft_cache, sampling,
+                                 jax.random.fold_in(round_rng, 1))  # sampled drafts
+  result, features, cache = verify_tree(model, target_params, drafter, tree,
+                                        s.target_cache, sampling, round_rng)
+  active = ~s.done
+  advance = jnp.where(active, result.accept_len + 1, 0)
+  cache = commit_path(cache, result.path, advance)
+
+  # New tokens: the accepted drafted ones, then the bonus; they also pair with the
+  # path's target features as the draft's next context.
+  path_tokens = jnp.take_along_axis(tree.tokens, result.path, axis=1)
+  new_tokens = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)], 1)
+  new_tokens = new_tokens.at[rows, result.accept_len].set(result.bonus)
+  path_features = jnp.take_along_axis(features, result.path[:, :, None], axis=1)
+  hidden_root, draft_cache = draft_context(drafter, draft_params, head, new_tokens,
+                                           path_features, advance, draft_cache)
+
+  stop_at = first_stop(new_tokens, stop_ids)
+  count = jnp.minimum(jnp.minimum(result.accept_len + 1, stop_at + 1),
+                      budgets - s.num_generated)
+  count = jnp.where(active, count, 0)
+  offsets = jnp.arange(max_path, dtype=jnp.int32)[None]
+  out_index = jnp.where(offsets < count[:, None], s.num_generated[:, None] + offsets,
+                        max_new_tokens)  # out of range: dropped
+  num_generated = s.num_generated + count
+  return SpecState(
+      rounds=s.rounds + 1,
+      root=jnp.where(active, result.bonus, s.root),
+      draft_hidden=hidden_root,
+      tokens=s.tokens.at[rows[:, None], out_index].set(new_tokens[:, :max_path],
+                                                       mode="drop"),
+      num_generated=num_generated,
+      done=s.done | (active & ((stop_at <= result.accept_len)
+                               | (num_generated >= budgets))),
+      accept_lens=s.accept_lens.at[:, s.rounds].set(
+          jnp.where(active, result.accept_len, -1)),
+      target_cache=cache, draft_cache=draft_cache)
+
+
 SPEC_STATIC_ARGS = ("target_config", "drafter", "max_new_tokens", "sampling", "stop_ids",
                     "pad_id", "prune_schedule")
 
@@ -131,7 +186,6 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
   head = TargetHead.of(target_config, target_params)
   batch = prompt.shape[0]
   rows = jnp.arange(batch)
-  max_path = drafter.tree.max_path
 
   logits, features, target_cache = target_prefill(model, target_params, prompt,
                                                   prompt_lengths, target_cache, prune_schedule)
@@ -153,47 +207,11 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
   def cond(s: SpecState):
     return ~jnp.all(s.done) & (s.rounds < max_new_tokens)
 
-  def body(s: SpecState):
-    round_rng = jax.random.fold_in(rng, s.rounds + 1)
-    tree, draft_cache = draft_tree(drafter, draft_params, head, s.draft_hidden, s.root,
-                                   s.draft_cache, sampling,
-                                   jax.random.fold_in(round_rng, 1))  # sampled drafts
-    result, features, cache = verify_tree(model, target_params, drafter, tree,
-                                          s.target_cache, sampling, round_rng)
-    active = ~s.done
-    advance = jnp.where(active, result.accept_len + 1, 0)
-    cache = commit_path(cache, result.path, advance)
-
-    # New tokens: the accepted drafted ones, then the bonus; they also pair with the
-    # path's target features as the draft's next context.
-    path_tokens = jnp.take_along_axis(tree.tokens, result.path, axis=1)
-    new_tokens = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)], 1)
-    new_tokens = new_tokens.at[rows, result.accept_len].set(result.bonus)
-    path_features = jnp.take_along_axis(features, result.path[:, :, None], axis=1)
-    hidden_root, draft_cache = draft_context(drafter, draft_params, head, new_tokens,
-                                             path_features, advance, draft_cache)
-
-    stop_at = first_stop(new_tokens, stop_ids)
-    count = jnp.minimum(jnp.minimum(result.accept_len + 1, stop_at + 1),
-                        budgets - s.num_generated)
-    count = jnp.where(active, count, 0)
-    offsets = jnp.arange(max_path, dtype=jnp.int32)[None]
-    out_index = jnp.where(offsets < count[:, None], s.num_generated[:, None] + offsets,
-                          max_new_tokens)  # out of range: dropped
-    num_generated = s.num_generated + count
-    return SpecState(
-        rounds=s.rounds + 1,
-        root=jnp.where(active, result.bonus, s.root),
-        draft_hidden=hidden_root,
-        tokens=s.tokens.at[rows[:, None], out_index].set(new_tokens[:, :max_path],
-                                                         mode="drop"),
-        num_generated=num_generated,
-        done=s.done | (active & ((stop_at <= result.accept_len)
-                                 | (num_generated >= budgets))),
-        accept_lens=s.accept_lens.at[:, s.rounds].set(
-            jnp.where(active, result.accept_len, -1)),
-        target_cache=cache, draft_cache=draft_cache)
-
+  body = functools.partial(speculative_round, target_params=target_params,
+                           draft_params=draft_params, budgets=budgets, rng=rng,
+                           target_config=target_config, drafter=drafter,
+                           max_new_tokens=max_new_tokens, sampling=sampling,
+                           stop_ids=stop_ids)
   return jax.lax.while_loop(cond, body, state)
 
 

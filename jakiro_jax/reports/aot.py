@@ -1,0 +1,482 @@
+"""Compiling for H100s and TPU slices on a machine that has neither.
+
+libtpu gives compile-only devices for any TPU slice (`topologies.get_topology_desc`), the
+CUDA plugin gives compile-only H100s from a device description (`devices/h100_sxm.txtpb`,
+package data). A program lowered with `jax.ShapeDtypeStruct`s placed on a mesh of those
+devices compiles as it would on the hardware; the compiled executable then tells its
+memory per device, its flops and bytes, and its optimized HLO (collectives, kernels).
+
+Needs the `aot` extra (`pip install -e ".[aot]"`: libtpu and the CUDA plugin at the
+project's JAX version). Importing this module sets the environment that compile-only
+use needs; call `prepare_environment()` before JAX starts its backends (the launcher
+does it first thing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import re
+import sys
+import tempfile
+from importlib import resources
+from typing import Any, Mapping
+
+# Peak figures per chip / card. Every number the roofline uses is here, with its source.
+#   bf16_flops: dense bf16 matmul FLOP/s; hbm_bw: bytes/s; hbm_bytes: memory per device;
+#   link_bw: bytes/s one way out of a device over the fast interconnect (NVLink / ICI);
+#   launch_s: cost of one kernel launch when a loop is not captured as a graph (GPU only).
+PEAKS: dict[str, dict[str, Any]] = {
+    "h100": dict(
+        name="NVIDIA H100 SXM5 80GB", bf16_flops=989.4e12, hbm_bw=3.35e12,
+        hbm_bytes=80 * 10**9, link_bw=450e9, launch_s=4e-6,
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 1,979 TFLOPS bf16 with "
+               "sparsity = 989 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s both ways); "
+               "launch_s: a few us per kernel launch, our round figure"),
+    "v4": dict(
+        name="TPU v4", bf16_flops=275e12, hbm_bw=1.2e12, hbm_bytes=32 * 2**30,
+        link_bw=2400e9 / 8 / 2, launch_s=0.0,
+        source="cloud.google.com/tpu/docs/v4 (275 TFLOPS bf16, 32 GiB HBM2 at 1,200 GB/s "
+               "per chip)"),
+    "v5e": dict(
+        name="TPU v5e", bf16_flops=197e12, hbm_bw=819e9, hbm_bytes=16 * 2**30,
+        link_bw=1600e9 / 8 / 2, launch_s=0.0,
+        source="cloud.google.com/tpu/docs/v5e (197 TFLOPS bf16, 16 GiB HBM2 at 819 GB/s, "
+               "ICI 1,600 Gbps per chip)"),
+    "v5p": dict(
+        name="TPU v5p", bf16_flops=459e12, hbm_bw=2765e9, hbm_bytes=95 * 2**30,
+        link_bw=4800e9 / 8 / 2, launch_s=0.0,
+        source="cloud.google.com/tpu/docs/v5p (459 TFLOPS bf16, 95 GiB HBM2e at 2,765 "
+               "GB/s, ICI 4,800 Gbps per chip)"),
+    "v6e": dict(
+        name="TPU v6e (Trillium)", bf16_flops=918e12, hbm_bw=1640e9, hbm_bytes=32 * 2**30,
+        link_bw=3584e9 / 8 / 2, launch_s=0.0,
+        source="cloud.google.com/tpu/docs/v6e (918 TFLOPS bf16, 32 GiB HBM at 1,640 GB/s, "
+               "ICI 3,584 Gbps per chip)"),
+}
+TPU_KINDS = ("v4", "v5e", "v5p", "v6e")
+GPUS_PER_HOST = 8
+
+# Slice names as Cloud TPU sells them -> libtpu topology names. v4 / v5p count
+# TensorCores (2 per chip, one JAX device per chip); v5e / v6e count chips.
+_TPU_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+           256: "16x16"}
+_TPU_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+           256: "4x8x8", 512: "8x8x8"}
+
+
+class AotUnavailable(RuntimeError):
+  """The compile-only backend (libtpu or the CUDA plugin) is missing or has moved."""
+
+
+def prepare_environment() -> None:
+  """What compile-only use needs before JAX starts: the CPU as JAX's default platform
+  (the CUDA plugin refuses to start without a driver otherwise, and TPU devices come from
+  topologies, not from this host) and no cloud metadata queries from libtpu."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["TPU_SKIP_MDS_QUERY"] = "1"
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  # No chips are opened, so several compile-only processes may load libtpu at once
+  # (else the second fails on libtpu's lock file).
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if "jax" in sys.modules:  # imported already: its flags read the environment then
+    import jax
+    try:
+      if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:  # backends already started; the topology call will say so
+      pass
+
+
+prepare_environment()
+
+
+@contextlib.contextmanager
+def quiet_native_stderr(log_path: str | None = None):
+  """Sends what native code (libtpu's start-up warnings, XLA's logs) writes to file
+  descriptor 2 into `log_path` (or a temporary file) for the duration."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  target = (open(log_path, "ab") if log_path
+            else tempfile.TemporaryFile())  # noqa: SIM115
+  try:
+    os.dup2(target.fileno(), 2)
+    yield
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
+    target.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+  """A compile-only device set: `kind` (a key of PEAKS), its devices and a label."""
+  kind: str
+  label: str  # "h100 x8", "v5e-8 (v5e:2x4)"
+  topology: str
+  devices: tuple
+
+  @property
+  def peaks(self) -> dict:
+    return PEAKS[self.kind]
+
+  @property
+  def is_gpu(self) -> bool:
+    return self.kind == "h100"
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.devices)
+
+  @property
+  def hosts(self) -> int:
+    return len({d.process_index for d in self.devices})
+
+
+def tpu_topology_name(slice_name: str) -> str:
+  """'v5e-8' -> 'v5e:2x4', 'v5p-64' -> 'v5p:2x4x4'; 'v5e:2x2' passes through."""
+  if ":" in slice_name:
+    kind = slice_name.split(":")[0]
+    if kind not in TPU_KINDS:
+      raise ValueError(f"unknown TPU kind {kind!r} in {slice_name!r}; known: {TPU_KINDS}")
+    return slice_name
+  match = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", slice_name)
+  if not match:
+    raise ValueError(f"TPU slice {slice_name!r} is neither a slice name such as v5e-8, "
+                     f"v5p-64, v6e-256, v4-8 nor a topology such as v5e:2x4")
+  kind, size = match.group(1), int(match.group(2))
+  if kind in ("v4", "v5p"):
+    if size % 2 or size // 2 not in _TPU_3D:
+      raise ValueError(f"{slice_name}: {kind} slices count TensorCores (2 per chip): one "
+                       f"of {[2 * c for c in _TPU_3D]}")
+    return f"{kind}:{_TPU_3D[size // 2]}"
+  if size not in _TPU_2D:
+    raise ValueError(f"{slice_name}: {kind} slices have {sorted(_TPU_2D)} chips")
+  return f"{kind}:{_TPU_2D[size]}"
+
+
+def h100_description() -> str:
+  """The shipped H100 SXM device description (XLA GpuTargetConfig text proto)."""
+  return (resources.files("jakiro_jax.reports") / "devices" / "h100_sxm.txtpb").read_text()
+
+
+def _topologies():
+  try:
+    from jax.experimental import topologies
+  except ImportError as e:  # pragma: no cover - jax always has it at our versions
+    raise AotUnavailable(f"jax.experimental.topologies is missing: {e}") from None
+  return topologies
+
+
+@functools.lru_cache(maxsize=None)
+def platform(device: str, devices: int = 1, log_path: str | None = None) -> Platform:
+  """Compile-only devices: `device` 'h100' with `devices` GPUs (8 per host), or a TPU
+  slice ('v5e-8', 'v5p-64', 'v6e:8x8', ...). Raises AotUnavailable with the install
+  command when the backend is missing."""
+  topologies = _topologies()
+  if device == "h100":
+    if devices < 1 or (devices > GPUS_PER_HOST and devices % GPUS_PER_HOST):
+      raise ValueError(f"--devices={devices}: 1 to {GPUS_PER_HOST} GPUs, or whole hosts "
+                       f"of {GPUS_PER_HOST}")
+    hosts = max(1, devices // GPUS_PER_HOST)
+    topology = f"1x{hosts}x{min(devices, GPUS_PER_HOST)}"
+    try:
+      with quiet_native_stderr(log_path):
+        topo = topologies.get_topology_desc(platform="cuda", topology=topology,
+                                            target_config=h100_description())
+    except Exception as e:  # noqa: BLE001 - the plugin raises plain RuntimeErrors
+      raise AotUnavailable(
+          f"cannot make compile-only H100s ({type(e).__name__}: {e}); install the CUDA "
+          f"plugin with `pip install -e \".[aot]\"` and run with JAX_PLATFORMS=cpu") from None
+    return Platform("h100", f"h100 x{devices}", topology, tuple(topo.devices))
+  name = tpu_topology_name(device)
+  try:
+    with quiet_native_stderr(log_path):
+      topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+  except Exception as e:  # noqa: BLE001
+    raise AotUnavailable(
+        f"cannot make compile-only TPU devices for {name} ({type(e).__name__}: {e}); "
+        f"install libtpu with `pip install -e \".[aot]\"`") from None
+  label = device if ":" not in device else f"{name.split(':')[0]}-{len(topo.devices)}"
+  return Platform(name.split(":")[0], f"{label} ({name})", name, tuple(topo.devices))
+
+
+# ----------------------------------------------------------------------- costs
+
+def cost_of(compiled) -> dict[str, float]:
+  """{'flops', 'bytes'} of a compiled program. TPU executables count themselves; the GPU
+  route has no cost analysis, so XLA's generic counter runs over the optimized module
+  (private APIs: `hlo_module_cost_analysis`; a JAX upgrade that moves them is an
+  AotUnavailable naming them). While-loop bodies are counted once."""
+  analysis = None
+  try:
+    analysis = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001 - "GetCostAnalysis is not supported" on this route
+    analysis = None
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else None
+  if not analysis:
+    try:
+      import jax
+      from jax._src.lib import _jax
+      module = compiled._executable.xla_extension_executable().hlo_modules()[0]
+      analysis = _jax.hlo_module_cost_analysis(jax._src.xla_bridge.get_backend("cpu"),
+                                               module)
+    except (AttributeError, ImportError, IndexError) as e:
+      raise AotUnavailable(
+          "XLA's HLO cost counter moved in this JAX version (looked for "
+          "jax._src.lib._jax.hlo_module_cost_analysis and "
+          f"Compiled._executable.xla_extension_executable().hlo_modules()): {e}") from None
+  return {"flops": float(analysis.get("flops", 0.0)),
+          "bytes": float(analysis.get("bytes accessed", 0.0))}
+
+
+def memory_of(compiled) -> dict[str, int]:
+  """Bytes per device: arguments, outputs, aliased (donated outputs reusing arguments),
+  temporaries, code, and the peak they add up to."""
+  stats = compiled.memory_analysis()
+  memory = {"arguments": int(stats.argument_size_in_bytes),
+            "outputs": int(stats.output_size_in_bytes),
+            "aliased": int(stats.alias_size_in_bytes),
+            "temporaries": int(stats.temp_size_in_bytes),
+            "code": int(getattr(stats, "generated_code_size_in_bytes", 0) or 0)}
+  memory["peak"] = (memory["arguments"] + memory["outputs"] - memory["aliased"]
+                    + memory["temporaries"] + memory["code"])
+  return memory
+
+
+# ------------------------------------------------------------------ HLO reading
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+               "collective-permute", "collective-broadcast", "ragged-all-to-all")
+# Instructions of a control computation (entry, loop body, branch) that launch nothing.
+_NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+              "conditional", "call", "after-all", "partition-id", "replica-id",
+              "opt-barrier", "add-dependency", "async-done", "async-update", "copy-done",
+              "send-done", "recv-done", "domain", "get-dimension-size", "iota"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"(?<![\w.\-%])([a-z][a-z0-9\-]*)\(")
+_CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|"
+                     r"false_computation)=%?([\w.\-]+)")
+_CALLED_LIST = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|"
+                    r"f16|f32|f64|c64|c128)\[([\d,]*)\]")
+_ITEM_BYTES = {"pred": 1, "s4": 0.5, "s8": 1, "s16": 2, "s32": 4, "s64": 8, "u4": 0.5,
+               "u8": 1, "u16": 2, "u32": 4, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1,
+               "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16}
+
+
+@dataclasses.dataclass
+class Instruction:
+  name: str
+  opcode: str
+  result: str  # the result type text
+  called: list[tuple[str, str]]  # (how, computation name)
+  text: str
+
+  @property
+  def result_bytes(self) -> int:
+    """Bytes of the result (the first array of a tuple result for async starts)."""
+    found = _SHAPE.findall(self.result)
+    if not found:
+      return 0
+    if self.opcode.endswith("-start") and len(found) > 1:
+      found = found[-1:]  # (operand, result) pairs: the result is last
+    total = 0.0
+    for dtype, dims in found:
+      total += math.prod(int(d) for d in dims.split(",") if d) * _ITEM_BYTES[dtype]
+    return int(total)
+
+  @property
+  def trip_count(self) -> int | None:
+    match = _TRIP_COUNT.search(self.text)
+    return int(match.group(1)) if match else None
+
+
+@dataclasses.dataclass
+class HloModule:
+  computations: dict[str, list[Instruction]]
+  entry: str
+
+  def reachable(self, start: str, how: tuple[str, ...] | None = None) -> set[str]:
+    """Computations reached from `start` (itself included) through calls of the kinds
+    `how` (None: every kind)."""
+    seen, stack = set(), [start]
+    while stack:
+      name = stack.pop()
+      if name in seen or name not in self.computations:
+        continue
+      seen.add(name)
+      for ins in self.computations[name]:
+        stack.extend(c for kind, c in ins.called if how is None or kind in how)
+    return seen
+
+
+def parse_hlo(text: str) -> HloModule:
+  """The computations of an HLO module's text and their instructions."""
+  computations: dict[str, list[Instruction]] = {}
+  entry, current = None, None
+  for line in text.splitlines():
+    stripped = line.strip()
+    if current is None:
+      head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$", stripped)
+      if head and not stripped.startswith("HloModule"):
+        current = head.group(2)
+        computations[current] = []
+        if head.group(1):
+          entry = current
+      continue
+    if stripped == "}":
+      current = None
+      continue
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    name, rest = match.groups()
+    opcode = _OPCODE.search(rest)
+    if not opcode:
+      continue
+    result = rest[:opcode.start()].strip()
+    called = [(k, v) for k, v in _CALLED.findall(rest)]
+    for kind, names in _CALLED_LIST.findall(rest):
+      called.extend((kind, n.strip().lstrip("%")) for n in names.split(",") if n.strip())
+    computations[current].append(Instruction(name, opcode.group(1), result, called, rest))
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+  return HloModule(computations, entry)
+
+
+def collective_kind(opcode: str) -> str | None:
+  """'all-reduce' for all-reduce / all-reduce-start; None for -done halves and others."""
+  for kind in COLLECTIVES:
+    if opcode in (kind, kind + "-start"):
+      return kind
+  return None
+
+
+def _control_computations(module: HloModule, start: str) -> set[str]:
+  """`start` and the computations it runs as control flow (loop bodies and conditions,
+  branches, called subroutines such as command buffers), not fusion bodies or
+  reducers."""
+  seen, stack = set(), [start]
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in module.computations:
+      continue
+    seen.add(name)
+    for ins in module.computations[name]:
+      if ins.opcode in ("while", "conditional", "call"):
+        stack.extend(c for _, c in ins.called)
+  return seen
+
+
+def _loop_bodies(module: HloModule) -> list[tuple[Instruction, str, str]]:
+  """(while instruction, body, condition) of the entry computation's while loops."""
+  loops = []
+  for ins in module.computations[module.entry]:
+    if ins.opcode == "while":
+      called = dict(ins.called)
+      loops.append((ins, called.get("body"), called.get("condition")))
+  return loops
+
+
+def _is_command_buffer(name: str) -> bool:
+  return "command_buffer" in name
+
+
+def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) -> dict:
+  """What the optimized per-device HLO does: collectives by kind (and their bytes),
+  outside and inside the top-level loop body; kernels launched per program and per
+  loop iteration (GPU); whether the loop runs as a command buffer (CUDA graph); and
+  all-gathers whose result has the shape of a whole weight (`weight_shapes`: the
+  unsharded parameter shapes), each marked inside the loop or not."""
+  module = parse_hlo(text)
+  loops = _loop_bodies(module)
+  in_loop: set[str] = set()
+  for _, body, condition in loops:
+    for name in (body, condition):
+      if name:
+        in_loop |= module.reachable(name)
+
+  def collectives(names):
+    counts: dict[str, dict[str, int]] = {}
+    for name in names:
+      for ins in module.computations.get(name, []):
+        kind = collective_kind(ins.opcode)
+        if kind is None and ins.opcode == "async-start":
+          kinds = {collective_kind(i.opcode) for c in module.reachable(ins.called[0][1])
+                   for i in module.computations.get(c, [])} - {None} if ins.called else set()
+          kind = next(iter(kinds), None)
+        if kind:
+          entry = counts.setdefault(kind, {"count": 0, "bytes": 0})
+          entry["count"] += 1
+          entry["bytes"] += ins.result_bytes
+    return counts
+
+  everything = set(module.computations)
+  weight_gathers = []
+  for name in sorted(everything):
+    for ins in module.computations.get(name, []):
+      if collective_kind(ins.opcode) != "all-gather":
+        continue
+      shapes = [tuple(int(d) for d in dims.split(",") if d)
+                for _, dims in _SHAPE.findall(ins.result)]
+      if ins.opcode.endswith("-start"):
+        shapes = shapes[len(shapes) // 2:]  # (operands, results): the results
+      whole = [s for s in shapes if s in weight_shapes]
+      if whole:
+        weight_gathers.append({"shapes": [list(s) for s in whole],
+                               "in_loop": name in in_loop})
+
+  def kernels(names) -> tuple[int, int]:
+    """(kernels, of which inside command buffers) launched by one pass over `names`."""
+    total = graphed = 0
+    for name in names:
+      for ins in module.computations.get(name, []):
+        if ins.opcode in _NO_KERNEL or ins.opcode.endswith("-done"):
+          continue
+        total += 1
+        graphed += _is_command_buffer(name)
+    return total, graphed
+
+  loop_control: set[str] = set()
+  for _, body, condition in loops:
+    for name in (body, condition):
+      if name:
+        loop_control |= _control_computations(module, name)
+  entry_control = _control_computations(module, module.entry) - loop_control
+  per_iter, per_iter_graphed = kernels(loop_control)
+  outside, _ = kernels(entry_control)
+  loop_is_graph = bool(loops) and any(
+      _is_command_buffer(c) for _, body, _ in loops
+      for c in _control_computations(module, body) if body)
+  return {
+      "collectives": collectives(everything - in_loop),
+      "collectives_in_loop": collectives(in_loop),
+      "loops": len(loops),
+      "loop_trip_counts": [ins.trip_count for ins, _, _ in loops],
+      "kernels_outside_loop": outside,
+      "kernels_per_iteration": per_iter,
+      "kernels_per_iteration_graphed": per_iter_graphed,
+      "loop_is_command_buffer": loop_is_graph,
+      "weight_all_gathers": weight_gathers,
+      "fusions": sum(ins.opcode == "fusion" for c in everything
+                     for ins in module.computations[c]),
+  }
+
+
+def roofline_s(flops: float, bytes_accessed: float, kernels: int, peaks: Mapping,
+               graphed: bool) -> dict:
+  """max(flops / peak, bytes / bandwidth), plus kernels x launch cost on a GPU whose
+  loop is not a CUDA graph."""
+  compute = flops / peaks["bf16_flops"]
+  memory = bytes_accessed / peaks["hbm_bw"]
+  launches = 0.0 if graphed else kernels * peaks["launch_s"]
+  return {"compute_s": compute, "memory_s": memory, "launch_s": launches,
+          "bound": "compute" if compute > memory else "memory",
+          "roofline_s": max(compute, memory) + launches}

@@ -1,0 +1,371 @@
+"""The compile report: every program compiled for H100s or a TPU slice, without the device.
+
+`run_report(settings, out_dir)` compiles the programs of `programs.py` at real model
+shapes for one compile-only platform (`aot.platform`) with the project's sharding rules,
+and writes per program: memory per device against the device's HBM (fits or by how much
+not), flops, bytes accessed, collectives by kind outside and inside the loop body,
+kernels per step (GPU) and the roofline time `max(flops / peak, bytes / bandwidth)` (+
+kernels x launch cost on a GPU loop that is not a CUDA graph), every peak from
+`aot.PEAKS`. From those, labelled as projections: a round's cost in AR steps and the
+speedup the measured tau (`MEASURED_TAU`) would give. Each program's row is written to
+`OUT/rows/` as it compiles, so an interrupted run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from jakiro_jax.reports import aot  # first: sets the compile-only environment
+
+import jax  # noqa: E402
+
+from jakiro_jax import atomic_dir, sharding  # noqa: E402
+from jakiro_jax.models.config import config_from_hf  # noqa: E402
+from jakiro_jax.models.presets import preset_or_file  # noqa: E402
+from jakiro_jax.reports import programs  # noqa: E402
+
+PROGRAM_KINDS = ("prefill", "ar_step", "ar_loop", "gen_data", "round", "spec_loop",
+                 "train")
+METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho", "lookup")
+TREE_SETS = ("papers", "config")
+TRAINED = ("eagle2", "jakiro", "jakiro_star", "gumiho")
+
+# tau we measured (SmolLM2-135M target, shipped drafts, T = 0, pooled over the five
+# evaluation files, README "Results"): the projections' input, not a claim about 8B
+# targets, whose drafts accept more (the papers report tau 3.5-5 at 7-8B).
+MEASURED_TAU = {
+    "config": {"eagle2": 2.15, "jakiro": 2.09, "gumiho": 2.19, "lookup": 1.63,
+               "jakiro_star": 1.38},  # jakiro_star: T = 1 (no T = 0 run)
+    "papers": {"eagle2": 2.57, "jakiro": 2.49, "gumiho": 2.62},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportSettings:
+  device: str = "h100"  # h100, or a TPU slice: v5e-8, v5p-64, v6e:8x8, ...
+  devices: int = 1  # GPUs (h100 only)
+  target: str = "llama31_8b"  # a preset (`models/presets.py`) or a config.json path
+  dtype: str = "bfloat16"
+  programs: tuple[str, ...] = PROGRAM_KINDS
+  methods: tuple[str, ...] = METHODS
+  tree_sets: tuple[str, ...] = TREE_SETS
+  batches: tuple[int, ...] = (1, 8, 64)  # prefill, AR step / loop
+  spec_batches: tuple[int, ...] = (1,)  # rounds and speculative loops
+  prompt_len: int = 512
+  max_new_tokens: int = 256
+  max_len: int = 2048  # cache slots
+  gen_data_batch: int = 384  # self-distillation's generation (`distill_data`)
+  gen_data_prompt_len: int = 512
+  gen_data_max_new_tokens: int = 256
+  gen_data_max_len: int = 1024
+  mesh: tuple[int, ...] | None = None  # (data, fsdp, tensor); None: `default_mesh`
+  train_mesh: tuple[int, ...] | None = None
+  train_batch_per_device: int = 4  # the papers: 4 per GPU
+  train_len: int = 2048
+  drafts: Any = None  # {method: config block} (the config file's `drafts`); None: defaults
+
+  def key(self) -> str:
+    """What a row depends on besides its program (rows of other settings are redone)."""
+    fields = {k: v for k, v in dataclasses.asdict(self).items()
+              if k not in ("programs", "methods", "tree_sets", "batches", "spec_batches")}
+    fields["drafts"] = json.dumps(self.drafts, sort_keys=True, default=str)
+    return hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()
+                        ).hexdigest()[:12]
+
+
+def default_mesh(num_devices: int, config, training: bool = False) -> tuple[int, int, int]:
+  """Inference: tensor parallel over up to 8 devices (as far as the kv heads divide),
+  replicas on the rest. Training: FSDP over up to 8, data parallel on the rest."""
+  if training:
+    fsdp = math.gcd(num_devices, 8)
+    return (num_devices // fsdp, fsdp, 1)
+  tensor = 1
+  while (tensor * 2 <= min(num_devices, 8) and num_devices % (tensor * 2) == 0
+         and config.num_kv_heads % (tensor * 2) == 0):
+    tensor *= 2
+  return (num_devices // tensor, 1, tensor)
+
+
+def method_drafter(method: str, tree_set: str, config, drafts: Mapping | None):
+  """The drafter of `method` at the config's tree ("config": its block in `drafts`, or
+  the method's default) or at the paper's tree ("papers")."""
+  from jakiro_jax.drafts import registry
+  block = dict((drafts or {}).get(method) or {})
+  tree, options = registry.split_block(block)
+  if tree_set == "papers":
+    tree, papers_options = registry.get(method).papers_tree()
+    options = dict(options, **papers_options)
+  return registry.make_drafter(method, config, tree, **options)
+
+
+@dataclasses.dataclass
+class Job:
+  key: str  # "round eagle2 papers b1"
+  kind: str
+  build: Callable[[], programs.Program]
+
+
+def jobs(settings: ReportSettings, config, platform: aot.Platform) -> list[Job]:
+  """Every program the settings ask for, cheapest first within each kind."""
+  mesh_sizes = settings.mesh or default_mesh(platform.num_devices, config)
+  train_sizes = settings.train_mesh or default_mesh(platform.num_devices, config, True)
+  mesh = sharding.make_mesh(mesh_sizes, devices=platform.devices)
+  out: list[Job] = []
+  s = settings
+  for kind in s.programs:
+    if kind not in PROGRAM_KINDS:
+      raise ValueError(f"unknown program {kind!r}; known: {PROGRAM_KINDS}")
+    if kind == "prefill":
+      out += [Job(f"prefill b{b}", kind, lambda b=b: programs.prefill_program(
+          config, mesh, b, s.prompt_len, s.max_len)) for b in s.batches]
+    elif kind == "ar_step":
+      out += [Job(f"ar_step b{b}", kind, lambda b=b: programs.forward_program(
+          config, mesh, b, 1, s.max_len)) for b in s.batches]
+    elif kind == "ar_loop":
+      out += [Job(f"ar_loop b{b}", kind, lambda b=b: programs.ar_loop_program(
+          config, mesh, b, s.prompt_len, s.max_new_tokens, s.max_len)) for b in s.batches]
+    elif kind == "gen_data":
+      out.append(Job(f"gen_data b{s.gen_data_batch}", kind,
+                     lambda: programs.ar_loop_program(
+                         config, mesh, s.gen_data_batch, s.gen_data_prompt_len,
+                         s.gen_data_max_new_tokens, s.gen_data_max_len, name="gen_data")))
+    elif kind in ("round", "spec_loop"):
+      for method in s.methods:
+        for tree_set in s.tree_sets:
+          for b in s.spec_batches:
+            def build(method=method, tree_set=tree_set, b=b, kind=kind):
+              drafter = method_drafter(method, tree_set, config, s.drafts)
+              if kind == "round":
+                return programs.round_program(config, drafter, mesh, b, s.max_new_tokens,
+                                              s.max_len)
+              return programs.spec_loop_program(config, drafter, mesh, b, s.prompt_len,
+                                                s.max_new_tokens, s.max_len)
+            out.append(Job(f"{kind} {method} {tree_set} b{b}", kind, build))
+    elif kind == "train":
+      train_mesh = sharding.make_mesh(train_sizes, devices=platform.devices)
+      batch = s.train_batch_per_device * train_sizes[0] * train_sizes[1]
+      for method in s.methods:
+        if method not in TRAINED:
+          continue
+        out.append(Job(f"train {method} b{batch}", kind, lambda m=method, b=batch:
+                       programs.train_program(config, method_drafter(m, "config", config,
+                                                                     s.drafts),
+                                              train_mesh, b, s.train_len)))
+  return out
+
+
+def _over_hbm_from_error(text: str) -> int | None:
+  """Bytes over HBM from a compiler's out-of-memory message, when it says."""
+  scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+  for pattern in (r"[Uu]sed ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)i?B? hbm",
+                  r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"):
+    found = re.search(pattern, text)
+    if found:
+      need = float(found.group(1)) * scale[found.group(2)]
+      have = float(found.group(3)) * scale[found.group(4)]
+      return int(need - have)
+  return None
+
+
+def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None) -> dict:
+  """One program's compiled figures (or its error, in one line)."""
+  started = time.perf_counter()
+  program = job.build()
+  row = {"key": job.key, "kind": job.kind, "program": program.name, **program.info}
+  try:
+    with aot.quiet_native_stderr(log_path):
+      compiled = program.lower().compile()
+  except Exception as e:  # noqa: BLE001 - a compiler error is this row's result
+    message = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
+    row.update(status="error", error=f"{type(e).__name__}: {message}",
+               compile_s=time.perf_counter() - started)
+    over = _over_hbm_from_error(str(e))
+    if over is not None or "RESOURCE_EXHAUSTED" in str(e):
+      row.update(status="does not fit", over_bytes=over)
+    return row
+  peaks = platform.peaks
+  memory = aot.memory_of(compiled)
+  hlo = aot.analyze_hlo(compiled.as_text(), program.weight_shapes())
+  cost = aot.cost_of(compiled)
+  trips = [t or 1 for t in hlo["loop_trip_counts"]]
+  if program.name in ("ar_loop", "gen_data", "spec_loop"):
+    kernels = hlo["kernels_per_iteration"]  # per step of the generation loop
+    graphed = hlo["loop_is_command_buffer"]
+  else:  # one step; inner loops (a drafter's levels) run their trip counts
+    kernels = hlo["kernels_outside_loop"] + hlo["kernels_per_iteration"] * max(trips or [1])
+    graphed = False
+  row.update(
+      status="fits" if memory["peak"] <= peaks["hbm_bytes"] else "does not fit",
+      compile_s=time.perf_counter() - started, memory=memory,
+      hbm_bytes=peaks["hbm_bytes"], over_bytes=max(0, memory["peak"] - peaks["hbm_bytes"]),
+      flops=cost["flops"], bytes=cost["bytes"], hlo=hlo,
+      kernels_per_step=kernels if platform.is_gpu else None,
+      roofline=aot.roofline_s(cost["flops"], cost["bytes"],
+                              kernels if platform.is_gpu else 0, peaks, graphed))
+  if program.name in ("ar_loop", "gen_data", "spec_loop"):
+    row["roofline"]["note"] = "loop: flops/bytes count the prefill and one loop body"
+  return row
+
+
+def projections(rows: Sequence[Mapping]) -> list[dict]:
+  """Per compiled round: its roofline in AR steps of the same batch, and the speedup
+  the measured tau implies (tau / round cost in AR steps). Projections, not timings."""
+  steps = {r["batch"]: r["roofline"]["roofline_s"] for r in rows
+           if r.get("program") == "ar_step" and r.get("roofline")}
+  out = []
+  for r in rows:
+    if r.get("program") != "round" or not r.get("roofline") or r["batch"] not in steps:
+      continue
+    tree_set = r["key"].split()[2]
+    cost = r["roofline"]["roofline_s"] / steps[r["batch"]]
+    tau = MEASURED_TAU.get(tree_set, {}).get(r["method"])
+    out.append({"round": r["key"], "method": r["method"], "tree_set": tree_set,
+                "batch": r["batch"], "tree_nodes": r["tree_nodes"],
+                "round_s": r["roofline"]["roofline_s"], "ar_step_s": steps[r["batch"]],
+                "round_in_ar_steps": cost, "measured_tau": tau,
+                "projected_speedup": tau / cost if tau else None})
+  return out
+
+
+def run_report(settings: ReportSettings, out_dir: str,
+               progress: Callable[[str], None] = print) -> dict:
+  """Compiles every program of `settings` and writes OUT/report.json and report.md;
+  rows already in OUT/rows (same settings) are kept, so a rerun continues."""
+  os.makedirs(os.path.join(out_dir, "rows"), exist_ok=True)
+  log_path = os.path.join(out_dir, "compiler.log")
+  name, hf = preset_or_file(settings.target)
+  config = config_from_hf(hf, settings.dtype)
+  platform = aot.platform(settings.device, settings.devices if settings.device == "h100"
+                          else 1, log_path)
+  all_jobs = jobs(settings, config, platform)
+  fingerprint = settings.key()
+  rows = []
+  started = time.perf_counter()
+  for i, job in enumerate(all_jobs, 1):
+    path = os.path.join(out_dir, "rows", re.sub(r"[^\w.-]+", "_", f"{job.key}") + ".json")
+    if os.path.exists(path):
+      with open(path) as f:
+        saved = json.load(f)
+      if saved.get("settings_key") == fingerprint:
+        rows.append(saved)
+        progress(f"[{i}/{len(all_jobs)}] {job.key}: kept from an earlier run")
+        continue
+    progress(f"[{i}/{len(all_jobs)}] {job.key}: compiling for {platform.label} ...")
+    row = compile_row(job, platform, log_path)
+    row["settings_key"] = fingerprint
+    atomic_dir.write_json(path, row)
+    rows.append(row)
+    progress(f"[{i}/{len(all_jobs)}] {job.key}: {one_line(row, platform)} "
+             f"({row['compile_s']:.0f} s; {time.perf_counter() - started:.0f} s in all)")
+  mesh_sizes = settings.mesh or default_mesh(platform.num_devices, config)
+  train_sizes = settings.train_mesh or default_mesh(platform.num_devices, config, True)
+  report = {
+      "kind": "compiled figures and roofline projections, not timings",
+      "target": name, "config": dataclasses.asdict(config),
+      "platform": {"label": platform.label, "kind": platform.kind,
+                   "topology": platform.topology, "devices": platform.num_devices,
+                   "hosts": platform.hosts, "device_kind": platform.devices[0].device_kind},
+      "peaks": aot.PEAKS[platform.kind],
+      "mesh": dict(zip(sharding.MESH_AXES, mesh_sizes)),
+      "train_mesh": dict(zip(sharding.MESH_AXES, train_sizes)),
+      "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "drafts"},
+      "versions": {"jax": jax.__version__},
+      "rows": rows, "projections": projections(rows)}
+  atomic_dir.write_json(os.path.join(out_dir, "report.json"), report)
+  with open(os.path.join(out_dir, "report.md"), "w") as f:
+    f.write(markdown(report))
+  return report
+
+
+def _gib(n) -> str:
+  return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def one_line(row: Mapping, platform: aot.Platform) -> str:
+  """A row's verdict in one line: fits with its roofline, or does not fit by how much."""
+  if row["status"] == "error":
+    return f"compile error: {row['error']}"
+  if row["status"] == "does not fit" and "memory" not in row:
+    over = row.get("over_bytes")
+    return (f"does not fit on {platform.label}"
+            + (f": {_gib(over)} GiB over HBM" if over else f" ({row.get('error', '')})"))
+  memory = row["memory"]
+  verdict = ("fits" if row["status"] == "fits"
+             else f"DOES NOT FIT: {_gib(row['over_bytes'])} GiB over")
+  return (f"{verdict} ({_gib(memory['peak'])} of {_gib(row['hbm_bytes'])} GiB), "
+          f"roofline {row['roofline']['roofline_s'] * 1e3:.3f} ms "
+          f"({row['roofline']['bound']}-bound)")
+
+
+def _collectives(counts: Mapping) -> str:
+  return ", ".join(f"{v['count']} {k}" for k, v in sorted(counts.items())) or "0"
+
+
+def markdown(report: Mapping) -> str:
+  p = report["platform"]
+  peaks = report["peaks"]
+  lines = [
+      f"# Compile report: {report['target']} on {p['label']}",
+      "",
+      "Compiled figures and roofline projections from compile-only devices, not timings.",
+      f"{p['devices']} devices ({p['device_kind']}), {p['hosts']} host(s); inference mesh "
+      f"{report['mesh']}, training mesh {report['train_mesh']}; jax "
+      f"{report['versions']['jax']}.",
+      f"Peaks: {peaks['bf16_flops'] / 1e12:.0f} TFLOP/s bf16, "
+      f"{peaks['hbm_bw'] / 1e9:.0f} GB/s HBM, {_gib(peaks['hbm_bytes'])} GiB HBM"
+      + (f", {peaks['launch_s'] * 1e6:.0f} us per kernel launch" if peaks["launch_s"] else "")
+      + f" ({peaks['source']}).",
+      "",
+      "| program | fits | peak GiB / device | args | temp | GFLOP | GB accessed | "
+      "roofline ms | bound | collectives (outside loop) | in loop body | kernels / step |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in report["rows"]:
+    if "memory" not in r:
+      lines.append(f"| {r['key']} | {r['status']}: {r.get('error', '')} "
+                   f"{'' if not r.get('over_bytes') else _gib(r['over_bytes']) + ' GiB over'}"
+                   f" |||||||||||")
+      continue
+    m, h, roof = r["memory"], r["hlo"], r["roofline"]
+    kernels = r.get("kernels_per_step")
+    if kernels is not None and h.get("loop_is_command_buffer"):
+      kernels = f"{kernels} (graph)"
+    lines.append(
+        f"| {r['key']} | {'yes' if r['status'] == 'fits' else 'NO, ' + _gib(r['over_bytes']) + ' GiB over'} "
+        f"| {_gib(m['peak'])} | {_gib(m['arguments'])} | {_gib(m['temporaries'])} "
+        f"| {r['flops'] / 1e9:.1f} | {r['bytes'] / 1e9:.2f} | {roof['roofline_s'] * 1e3:.3f} "
+        f"| {roof['bound']} | {_collectives(h['collectives'])} "
+        f"| {_collectives(h['collectives_in_loop'])} | {'-' if kernels is None else kernels} |")
+  # Training under FSDP gathers its weights by design; elsewhere a whole weight
+  # gathered is a sharding the partitioner chose instead of partial sums.
+  gathers = {}
+  for r in report["rows"]:
+    for g in r.get("hlo", {}).get("weight_all_gathers", []):
+      if r["program"] != "train":
+        for shape in g["shapes"]:
+          key = (r["key"], tuple(shape), g["in_loop"])
+          gathers[key] = gathers.get(key, 0) + 1
+  if gathers:
+    lines += ["", "Whole weights all-gathered outside training (program: weight shape x "
+              "times):", ""]
+    lines += [f"- {k}: {shape} x{n}{' inside the loop body' if in_loop else ''}"
+              for (k, shape, in_loop), n in gathers.items()]
+  if report["projections"]:
+    lines += ["", "Projection (roofline of a round / roofline of an AR step, same batch; "
+              "speedup = measured tau / that cost; tau measured with SmolLM2 drafts):", "",
+              "| round | nodes | round ms | AR step ms | round in AR steps | tau | "
+              "projected speedup |", "|---|---|---|---|---|---|---|"]
+    for x in report["projections"]:
+      speed = "-" if x["projected_speedup"] is None else f"{x['projected_speedup']:.2f}x"
+      tau = "-" if x["measured_tau"] is None else f"{x['measured_tau']:.2f}"
+      lines.append(f"| {x['round']} | {x['tree_nodes']} | {x['round_s'] * 1e3:.3f} | "
+                   f"{x['ar_step_s'] * 1e3:.3f} | {x['round_in_ar_steps']:.2f} | {tau} | "
+                   f"{speed} |")
+  return "\n".join(lines) + "\n"

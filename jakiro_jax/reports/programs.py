@@ -1,0 +1,248 @@
+"""The project's jitted programs as abstract, sharded computations ready to compile.
+
+Each builder returns a `Program`: the very function generation or training jits (with
+the same in/out shardings from `jakiro_jax/sharding.py`, the same donation), and its
+arguments as `jax.ShapeDtypeStruct`s placed on a mesh. Nothing is allocated, so real
+model shapes (an 8B or 70B target) lower on any machine; `Program.lower()` then compiles
+for whatever devices the mesh holds (compile-only H100s or TPU slices, `aot.py`).
+
+Programs:
+  prefill            the target over a padded prompt (`autoregressive.prefill`)
+  ar_step            one AR decode forward, cache donated (T = 1)
+  ar_loop            the whole jitted AR `lax.while_loop` (`autoregressive._ar_loop`)
+  gen_data           `ar_loop` at the batch and lengths self-distillation generates with
+  round              one speculative round (draft + tree + verify + accept + commit)
+  spec_loop          the whole jitted speculative loop (`generate._speculative_loop`)
+  train              one training step with its optimizer (`trainer.make_train_step`)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jakiro_jax import sharding
+from jakiro_jax.drafts.base import TargetHead
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.models.kv_cache import causal_mask
+from jakiro_jax.models.llama import Llama, init_params, new_cache
+from jakiro_jax.speculative import autoregressive as ar
+from jakiro_jax.speculative import generate as spec
+from jakiro_jax.speculative.sampling import SamplingConfig
+
+STOP_IDS = (2,)  # any id: stop tokens only change a comparison
+
+
+@dataclasses.dataclass
+class Program:
+  """A jitted function and its abstract sharded arguments."""
+  name: str
+  fn: Callable  # jax.jit(...) with shardings and donation
+  args: tuple  # ShapeDtypeStructs with shardings
+  info: dict  # shapes that define it (batch, tokens, cache slots, tree, ...)
+  weights: Any = None  # abstract weights, target's and draft's (shapes tell weight gathers)
+
+  def lower(self):
+    return self.fn.lower(*self.args)
+
+  def weight_shapes(self) -> set[tuple[int, ...]]:
+    if self.weights is None:
+      return set()
+    return {tuple(x.shape) for x in jax.tree.leaves(self.weights) if len(x.shape) >= 2}
+
+
+def placed(abstract, shardings):
+  """ShapeDtypeStructs of `abstract` carrying `shardings` (same pytree)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract, shardings)
+
+
+def abstract_target(config: LlamaConfig, mesh):
+  """(abstract `{"params": ...}`, its shardings) by the rule table."""
+  params = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
+  return params, sharding.target_shardings(config, mesh)
+
+
+def abstract_cache(make, mesh):
+  cache = jax.eval_shape(make)
+  return cache, sharding.cache_shardings(cache, mesh)
+
+
+def _rows(batch: int, mesh, dtype=jnp.int32, *tail):
+  return jax.ShapeDtypeStruct((batch,) + tail, dtype,
+                              sharding=sharding.batch_sharding((batch,) + tail, mesh))
+
+
+def _key(mesh):
+  return placed(jax.eval_shape(lambda: jax.random.PRNGKey(0)), sharding.replicated(mesh))
+
+
+def prefill_program(config: LlamaConfig, mesh, batch: int, prompt_len: int,
+                    max_len: int) -> Program:
+  """The target over right-padded prompts `[batch, prompt_len]` into a donated cache."""
+  params, params_sh = abstract_target(config, mesh)
+  cache, cache_sh = abstract_cache(lambda: new_cache(config, batch, max_len), mesh)
+  model = Llama(config)
+  rows = sharding.batch_sharding((batch,), mesh)
+
+  def run(params, prompt, lengths, cache):
+    logits, _, cache = ar.prefill(model, params, prompt, lengths, cache)
+    return logits, cache
+
+  fn = jax.jit(run, in_shardings=(params_sh, rows, rows, cache_sh),
+               out_shardings=(rows, cache_sh), donate_argnums=(3,))
+  args = (placed(params, params_sh), _rows(batch, mesh, jnp.int32, prompt_len),
+          _rows(batch, mesh), placed(cache, cache_sh))
+  return Program("prefill", fn, args, dict(batch=batch, tokens=prompt_len,
+                                           cache_slots=max_len), params)
+
+
+def forward_program(config: LlamaConfig, mesh, batch: int, tokens: int,
+                    max_len: int) -> Program:
+  """One cache-donating forward of `tokens` new tokens per row after each row's cache,
+  logits included: T = 1 is the AR decode step; T = N costs what a verify forward over
+  an N-node tree costs (the mask's pattern does not change dense attention's work)."""
+  params, params_sh = abstract_target(config, mesh)
+  cache, cache_sh = abstract_cache(lambda: new_cache(config, batch, max_len), mesh)
+  model = Llama(config)
+  rows = sharding.batch_sharding((batch,), mesh)
+
+  def step(params, new_tokens, cache):
+    lengths = cache.lengths
+    positions = lengths[:, None] + jnp.arange(tokens, dtype=jnp.int32)[None]
+    logits, _, cache = model.apply(params, new_tokens, positions, cache,
+                                   causal_mask(lengths, tokens, cache.max_len))
+    return logits, cache.replace(lengths=lengths + tokens)
+
+  fn = jax.jit(step, in_shardings=(params_sh, rows, cache_sh),
+               out_shardings=(rows, cache_sh), donate_argnums=(2,))
+  args = (placed(params, params_sh), _rows(batch, mesh, jnp.int32, tokens),
+          placed(cache, cache_sh))
+  name = "ar_step" if tokens == 1 else "forward"
+  return Program(name, fn, args, dict(batch=batch, tokens=tokens, cache_slots=max_len),
+                 params)
+
+
+def ar_loop_program(config: LlamaConfig, mesh, batch: int, prompt_len: int,
+                    max_new_tokens: int, max_len: int,
+                    sampling: SamplingConfig = SamplingConfig(), name: str = "ar_loop"
+                    ) -> Program:
+  """The whole jitted AR loop (prefill + while loop of decode steps), as `generate_ar`
+  runs it on a mesh."""
+  params, params_sh = abstract_target(config, mesh)
+  cache, cache_sh = abstract_cache(lambda: new_cache(config, batch, max_len), mesh)
+  in_sh, out_sh = ar.ar_shardings(params_sh, cache_sh, batch, mesh)
+  static = dict(config=config, max_new_tokens=max_new_tokens, sampling=sampling,
+                stop_ids=STOP_IDS, pad_id=0, prune_schedule=None)
+  fn = jax.jit(functools.partial(ar._ar_loop, **static), in_shardings=in_sh,
+               out_shardings=out_sh, donate_argnums=(5,))
+  args = (placed(params, params_sh), _rows(batch, mesh, jnp.int32, prompt_len),
+          _rows(batch, mesh), _rows(batch, mesh), _key(mesh), placed(cache, cache_sh))
+  return Program(name, fn, args, dict(batch=batch, tokens=prompt_len,
+                                      max_new_tokens=max_new_tokens, cache_slots=max_len),
+                 params)
+
+
+def _spec_pieces(config, drafter, mesh, batch: int, max_len: int):
+  params, params_sh = abstract_target(config, mesh)
+  draft = jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0))
+  draft_sh = sharding.draft_shardings(drafter, draft, mesh)
+  tcache, tcache_sh = abstract_cache(lambda: new_cache(config, batch, max_len), mesh)
+  dcache, dcache_sh = abstract_cache(lambda: drafter.new_cache(batch, max_len), mesh)
+  in_sh, out_sh = spec.speculative_shardings(params_sh, draft_sh, tcache_sh, dcache_sh,
+                                             batch, mesh)
+  args = (placed(params, params_sh), placed(draft, draft_sh), None, _rows(batch, mesh),
+          _rows(batch, mesh), _key(mesh), placed(tcache, tcache_sh),
+          placed(dcache, dcache_sh))
+  return (params, draft), in_sh, out_sh, args
+
+
+def spec_loop_program(config: LlamaConfig, drafter, mesh, batch: int, prompt_len: int,
+                      max_new_tokens: int, max_len: int,
+                      sampling: SamplingConfig = SamplingConfig()) -> Program:
+  """The whole jitted speculative loop, as `generate` runs it on a mesh."""
+  params, in_sh, out_sh, args = _spec_pieces(config, drafter, mesh, batch, max_len)
+  static = dict(target_config=config, drafter=drafter, max_new_tokens=max_new_tokens,
+                sampling=sampling, stop_ids=STOP_IDS, pad_id=0, prune_schedule=None)
+  fn = jax.jit(functools.partial(spec._speculative_loop, **static), in_shardings=in_sh,
+               out_shardings=out_sh, donate_argnums=(6, 7))
+  args = args[:2] + (_rows(batch, mesh, jnp.int32, prompt_len),) + args[3:]
+  return Program("spec_loop", fn, args, dict(
+      batch=batch, tokens=prompt_len, max_new_tokens=max_new_tokens, cache_slots=max_len,
+      **_tree_info(drafter)), params)
+
+
+def _tree_info(drafter) -> dict:
+  tree = drafter.tree
+  return dict(method=drafter.name, top_k=tree.top_k, depth=tree.depth,
+              tree_nodes=tree.total_tokens)
+
+
+def round_program(config: LlamaConfig, drafter, mesh, batch: int, max_new_tokens: int,
+                  max_len: int, sampling: SamplingConfig = SamplingConfig()) -> Program:
+  """One speculative round on a loop state (`generate.speculative_round`), the state
+  donated: what one iteration of `spec_loop` does."""
+  params, in_sh, out_sh, args = _spec_pieces(config, drafter, mesh, batch, max_len)
+  static = dict(target_config=config, drafter=drafter, max_new_tokens=max_new_tokens,
+                sampling=sampling, stop_ids=STOP_IDS, pad_id=0, prune_schedule=None)
+  prompt = jax.ShapeDtypeStruct((batch, 8), jnp.int32)
+  state = jax.eval_shape(functools.partial(spec._speculative_loop, **static),
+                         args[0], args[1], prompt, *args[3:])
+  round_static = {k: static[k] for k in spec.ROUND_STATIC_ARGS}
+  rows = sharding.batch_sharding((batch,), mesh)
+  fn = jax.jit(functools.partial(spec.speculative_round, **round_static),
+               in_shardings=(out_sh, in_sh[0], in_sh[1], rows, in_sh[5]),
+               out_shardings=out_sh, donate_argnums=(0,))
+  round_args = (placed(state, out_sh), args[0], args[1], _rows(batch, mesh), _key(mesh))
+  return Program("round", fn, round_args, dict(
+      batch=batch, max_new_tokens=max_new_tokens, cache_slots=max_len,
+      **_tree_info(drafter)), params)
+
+
+def train_program(config: LlamaConfig, drafter, mesh, batch: int, length: int,
+                  train_config=None) -> Program:
+  """One training step of `drafter` with its AdamW state, on stored features (`online`
+  False, as the pod configs train) or with the target inside the step (`online` True),
+  at the phase with every loss term on (Gumiho's MLP cross-entropy included)."""
+  from jakiro_jax.train import trainer
+
+  train_config = train_config or trainer.default_config()
+  steps_per_epoch = 1000
+  tx, schedule = trainer.make_optimizer(train_config, 10 * steps_per_epoch)
+  loss = trainer.loss_settings(train_config, drafter)
+  settings = trainer.StepSettings(online=bool(train_config.online),
+                                  noise=bool(train_config.noise),
+                                  noise_std=float(train_config.noise_std),
+                                  steps_per_epoch=steps_per_epoch,
+                                  loss=drafter.loss_phase(loss, 10**6))
+  state, state_sh = trainer.train_state_shardings(drafter, tx, mesh)
+  params, params_sh = abstract_target(config, mesh)
+  head_sh = sharding.logical_sharding(sharding.HEAD_AXES,
+                                      (config.vocab_size, config.hidden_size), mesh)
+  head_abstract = TargetHead(*(jax.ShapeDtypeStruct((config.vocab_size, config.hidden_size),
+                                                    jnp.dtype(config.dtype)),) * 2)
+  head_shardings = TargetHead(head_sh, head_sh)
+  batch_sh = sharding.batch_sharding((batch,), mesh)
+  replicated = sharding.replicated(mesh)
+  fn = trainer.make_train_step(drafter, settings, tx, schedule, state_sh, batch_sh,
+                               params_sh, head_shardings, replicated)
+  abstract_batch = {"input_ids": jax.ShapeDtypeStruct((batch, length), jnp.int32),
+                    "loss_mask": jax.ShapeDtypeStruct((batch, length), jnp.int32),
+                    "lengths": jax.ShapeDtypeStruct((batch,), jnp.int32)}
+  if not settings.online:
+    abstract_batch["features"] = jax.ShapeDtypeStruct((batch, length, config.hidden_size),
+                                                      jnp.float16)
+  batch_args = {k: jax.ShapeDtypeStruct(
+      v.shape, v.dtype, sharding=sharding.batch_sharding(v.shape, mesh))
+      for k, v in abstract_batch.items()}
+  args = (placed(state, state_sh), batch_args, placed(params, params_sh),
+          placed(head_abstract, head_shardings))
+  draft_count = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
+  return Program("train", fn, args, dict(batch=batch, tokens=length, method=drafter.name,
+                                         online=settings.online,
+                                         draft_parameters=draft_count), params)

@@ -1,0 +1,116 @@
+"""Compile every program for H100s or a TPU slice on this machine, without the device.
+
+  python -m launch.compile_report --device=h100 --devices=8 --target=llama31_8b --out=DIR
+  python -m launch.compile_report --device=v5e-256 --target=llama31_8b --out=DIR
+  python -m launch.compile_report --device=v5p-64 --target=/path/to/config.json --out=DIR \
+      --programs=ar_step,round --methods=eagle2,gumiho
+
+Writes DIR/report.json and DIR/report.md (`jakiro_jax/reports/compile_report.py`):
+memory per device against HBM, flops, bytes, collectives, kernels, roofline, and the
+projections a round's cost implies. Rows are kept in DIR/rows as they compile: run the
+same command again to continue an interrupted report. Needs `pip install -e ".[aot]"`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from launch import cli
+
+_DEVICE = flags.DEFINE_string(
+    "device", "h100", "h100, or a TPU slice (v5e-8, v5e-256, v5p-64, v6e-8, v4-8) or "
+    "topology (v5e:2x4, v5p:4x4x4).")
+_DEVICES = flags.DEFINE_integer("devices", 1, "H100s (8 per host; 16 = two hosts).")
+_TARGET = flags.DEFINE_string(
+    "target", "llama31_8b", "A preset (vicuna_7b, llama2_7b, llama31_8b, qwen2_7b, "
+    "llama3_70b, smollm2) or a HuggingFace config.json / model directory.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file whose `drafts` blocks give the config trees (default: "
+    "the target's own file in configs/, else configs/real_targets.py).")
+_OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
+_PROGRAMS = flags.DEFINE_list("programs", None, "Programs (default all): prefill, "
+                              "ar_step, ar_loop, gen_data, round, spec_loop, train.")
+_METHODS = flags.DEFINE_list("methods", None, "Methods (default: eagle2, jakiro, "
+                             "jakiro_star, gumiho, lookup).")
+_TREE_SETS = flags.DEFINE_list("tree_sets", None, "papers, config (default both).")
+_BATCHES = flags.DEFINE_list("batches", None, "Batches of prefill and the AR programs "
+                             "(default 1,8,64).")
+_SPEC_BATCHES = flags.DEFINE_list("spec_batches", None, "Batches of rounds and loops "
+                                  "(default 1).")
+_MAX_LEN = flags.DEFINE_integer("max_len", 2048, "KV cache slots.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "Padded prompt length.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Loop budget.")
+_MESH = flags.DEFINE_string("mesh", None, "DATA,FSDP,TENSOR for inference (default: "
+                            "tensor over up to 8 devices, data on the rest).")
+_TRAIN_MESH = flags.DEFINE_string("train_mesh", None, "DATA,FSDP,TENSOR for training "
+                                  "(default: fsdp over up to 8, data on the rest).")
+_TRAIN_BATCH = flags.DEFINE_integer("train_batch_per_device", 4,
+                                    "Training rows per data x fsdp device.")
+_TRAIN_LEN = flags.DEFINE_integer("train_len", 2048, "Training row length.")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights and caches.")
+
+TARGET_CONFIGS = {"vicuna_7b": "configs.vicuna_7b", "llama2_7b": "configs.llama2_chat_7b",
+                  "llama31_8b": "configs.llama31_8b", "qwen2_7b": "configs.qwen2_7b",
+                  "smollm2": "configs.smollm2_135m"}
+
+
+def drafts_of(target: str, config) -> dict:
+  """The `drafts` blocks that set the config trees."""
+  if config is None:
+    module = importlib.import_module(TARGET_CONFIGS.get(target, "configs.real_targets"))
+    config = (module.get_config() if hasattr(module, "get_config")
+              else module.real_target_config(target, "eagle2"))
+  drafts = config.get("drafts")
+  return {} if drafts is None else (drafts.to_dict() if hasattr(drafts, "to_dict")
+                                    else dict(drafts))
+
+
+def _ints(values, name):
+  try:
+    return tuple(int(v) for v in values)
+  except ValueError:
+    raise app.UsageError(f"--{name} must be integers, got {values}") from None
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from jakiro_jax.reports import aot  # sets the compile-only environment before jax starts
+  from jakiro_jax.reports import compile_report as cr
+  from jakiro_jax.sharding import parse_mesh_flag
+
+  defaults = cr.ReportSettings()
+  settings = cr.ReportSettings(
+      device=_DEVICE.value, devices=_DEVICES.value, target=_TARGET.value, dtype=_DTYPE.value,
+      programs=tuple(_PROGRAMS.value or defaults.programs),
+      methods=tuple(_METHODS.value or defaults.methods),
+      tree_sets=tuple(_TREE_SETS.value or defaults.tree_sets),
+      batches=_ints(_BATCHES.value, "batches") if _BATCHES.value else defaults.batches,
+      spec_batches=(_ints(_SPEC_BATCHES.value, "spec_batches") if _SPEC_BATCHES.value
+                    else defaults.spec_batches),
+      max_len=_MAX_LEN.value, prompt_len=_PROMPT_LEN.value,
+      max_new_tokens=_MAX_NEW.value,
+      mesh=parse_mesh_flag(_MESH.value) if _MESH.value else None,
+      train_mesh=parse_mesh_flag(_TRAIN_MESH.value) if _TRAIN_MESH.value else None,
+      train_batch_per_device=_TRAIN_BATCH.value, train_len=_TRAIN_LEN.value,
+      drafts=drafts_of(_TARGET.value, _CONFIG.value))
+  for name in settings.methods:
+    if name not in cr.METHODS:
+      raise app.UsageError(f"--methods: unknown method {name!r}; known: {cr.METHODS}")
+  for name in settings.tree_sets:
+    if name not in cr.TREE_SETS:
+      raise app.UsageError(f"--tree_sets: unknown {name!r}; known: {cr.TREE_SETS}")
+  try:
+    report = cr.run_report(settings, _OUT.value,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+  except aot.AotUnavailable as e:
+    raise app.UsageError(str(e)) from None
+  print(cr.markdown(report))
+
+
+if __name__ == "__main__":
+  cli.run(main)

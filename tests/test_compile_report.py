@@ -1,0 +1,197 @@
+"""Programs compiled for TPU v5e:2x2 and for two H100s on this CPU-only machine (compile-only
+devices from libtpu and the CUDA plugin, the `aot` extra): memory fits, the Megatron
+collectives per layer, no weight all-gathered inside the generation loops, and the
+report's figures against a hand count of weights and cache."""
+
+from jakiro_jax.reports import aot  # first: the compile-only environment
+
+import math  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from jakiro_jax import sharding  # noqa: E402
+from jakiro_jax.drafts import registry  # noqa: E402
+from jakiro_jax.models.config import LlamaConfig  # noqa: E402
+from jakiro_jax.reports import compile_report as cr  # noqa: E402
+from jakiro_jax.reports import programs  # noqa: E402
+
+PLATFORMS = {"v5e:2x2": ("v5e:2x2", 1), "h100x2": ("h100", 2)}
+
+
+def tiny(layers: int = 2) -> LlamaConfig:
+  return LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                     num_layers=layers, num_heads=8, num_kv_heads=4, head_dim=32,
+                     dtype="bfloat16")
+
+
+def compiled(program):
+  with aot.quiet_native_stderr():
+    result = program.lower().compile()
+  return result, aot.analyze_hlo(result.as_text(), program.weight_shapes())
+
+
+@pytest.fixture(scope="module", params=sorted(PLATFORMS))
+def platform(request):
+  device, count = PLATFORMS[request.param]
+  return aot.platform(device, count)
+
+
+def tensor_mesh(platform):
+  return sharding.make_mesh((1, 1, platform.num_devices), devices=platform.devices)
+
+
+def test_platforms():
+  tpu = aot.platform("v5e:2x2")
+  gpu = aot.platform("h100", 2)
+  assert (tpu.kind, tpu.num_devices) == ("v5e", 4)
+  assert "TPU v5" in tpu.devices[0].device_kind
+  assert (gpu.kind, gpu.num_devices) == ("h100", 2)
+  assert "H100" in gpu.devices[0].device_kind
+  assert aot.tpu_topology_name("v5e-256") == "v5e:16x16"
+  assert aot.tpu_topology_name("v5p-64") == "v5p:2x4x4"
+  with pytest.raises(ValueError, match="v5e slices have"):
+    aot.tpu_topology_name("v5e-7")
+  with pytest.raises(ValueError, match="whole hosts"):
+    aot.platform("h100", 12)
+
+
+def test_ar_step_memory_and_collectives_per_layer(platform):
+  """Two all-reduces per layer under tensor parallelism (attention out, MLP down), the
+  step's arguments exactly the weights and cache each device holds, and it fits."""
+  mesh = tensor_mesh(platform)
+  counts = {}
+  for layers in (2, 3):
+    program = programs.forward_program(tiny(layers), mesh, 1, 1, 256)
+    exe, hlo = compiled(program)
+    counts[layers] = hlo["collectives"].get("all-reduce", {}).get("count", 0)
+    assert not hlo["weight_all_gathers"], hlo["weight_all_gathers"]
+    memory = aot.memory_of(exe)
+    hand = max(sharding.bytes_per_device(
+        program.args, jax.tree.map(lambda x: x.sharding, program.args)).values())
+    # TPU layouts pad small arrays to their tiles: a few hundred bytes each.
+    assert hand <= memory["arguments"] <= hand + 4096
+    assert memory["peak"] <= platform.peaks["hbm_bytes"]
+    cost = aot.cost_of(exe)
+    assert cost["flops"] > 0 and cost["bytes"] > 0
+  assert counts[3] - counts[2] == 2, counts
+
+
+def test_generation_loops_keep_weights_sharded(platform):
+  """Inside the AR loop no weight is all-gathered: the decode step reads only its own
+  shards (the speculative loop: the slow test below)."""
+  mesh = tensor_mesh(platform)
+  config = tiny()
+  ar = programs.ar_loop_program(config, mesh, 1, 16, 32, 256)
+  _, hlo = compiled(ar)
+  assert hlo["loops"] == 1
+  assert hlo["collectives_in_loop"]["all-reduce"]["count"] >= 2 * config.num_layers
+  assert not [g for g in hlo["weight_all_gathers"] if g["in_loop"]]
+
+
+@pytest.mark.slow  # the AR loop above checks the same sharding in the default suite
+def test_speculative_loop_keeps_weights_sharded(platform):
+  config = tiny()
+  drafter = registry.make_drafter("eagle2", config)
+  spec = programs.spec_loop_program(config, drafter, tensor_mesh(platform), 1, 16, 32, 256)
+  _, hlo = compiled(spec)
+  assert hlo["loops"] >= 1
+  assert not [g for g in hlo["weight_all_gathers"] if g["in_loop"]], hlo[
+      "weight_all_gathers"]
+
+
+@pytest.mark.parametrize("method", cr.METHODS)
+def test_round_of_each_method_compiles(platform, method):
+  mesh = tensor_mesh(platform)
+  drafter = cr.method_drafter(method, "config", tiny(), {})
+  exe, hlo = compiled(programs.round_program(tiny(), drafter, mesh, 1, 32, 256))
+  memory = aot.memory_of(exe)
+  assert 0 < memory["peak"] <= platform.peaks["hbm_bytes"]
+  # The verify forward alone all-reduces twice a layer.
+  reduces = sum(v["count"] for k, v in hlo["collectives"].items() if k == "all-reduce")
+  assert reduces >= 2 * tiny().num_layers
+
+
+def test_train_step_compiles_with_its_optimizer(platform):
+  """FSDP over every device: the step all-gathers the draft's weights (by design) and
+  reduce-scatters or all-reduces its gradients; the donated state aliases its output."""
+  mesh = sharding.make_mesh((1, platform.num_devices, 1), devices=platform.devices)
+  drafter = registry.make_drafter("eagle2", tiny())
+  program = programs.train_program(tiny(), drafter, mesh, 4, 64)
+  exe, hlo = compiled(program)
+  memory = aot.memory_of(exe)
+  assert memory["aliased"] > 0  # the train state is donated
+  assert memory["peak"] <= platform.peaks["hbm_bytes"]
+  kinds = set(hlo["collectives"])
+  assert "all-gather" in kinds and kinds & {"all-reduce", "reduce-scatter"}, kinds
+
+
+def test_hlo_reader_counts_loops_collectives_and_kernels():
+  text = """HloModule m, entry_computation_layout={()->f32[]}
+
+%fused (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%p)
+}
+
+%body (s: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %s = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f32[8]{0} get-tuple-element(%s), index=1
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  %ar = f32[8]{0} all-reduce(%f), replica_groups={}, to_apply=%add
+  %ag = bf16[4,16]{1,0} all-gather(%f), dimensions={0}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+%cond (s: (s32[], f32[8])) -> pred[] {
+  %s = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %c = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+ENTRY %main () -> f32[] {
+  %z = (s32[], f32[8]{0}) constant({0, {0,0,0,0,0,0,0,0}})
+  %w = (s32[], f32[8]{0}) while(%z), condition=%cond, body=%body
+  %g = f32[8]{0} get-tuple-element(%w), index=1
+  %r = f32[8]{0} all-reduce-start(%g), to_apply=%add
+  %d = f32[8]{0} all-reduce-done(%r)
+  ROOT %o = f32[] fusion(%d), kind=kLoop, calls=%fused
+}
+"""
+  result = aot.analyze_hlo(text, weight_shapes={(4, 16)})
+  assert result["loops"] == 1
+  assert result["collectives_in_loop"] == {"all-reduce": {"count": 1, "bytes": 32},
+                                           "all-gather": {"count": 1, "bytes": 128}}
+  assert result["collectives"] == {"all-reduce": {"count": 1, "bytes": 32}}
+  assert result["kernels_per_iteration"] == 4  # fusion, all-reduce, all-gather, compare
+  assert result["kernels_outside_loop"] == 2  # all-reduce-start, fusion
+  assert result["weight_all_gathers"] == [{"shapes": [[4, 16]], "in_loop": True}]
+  roof = aot.roofline_s(2e12, 1e9, 100, aot.PEAKS["h100"], graphed=False)
+  assert roof["bound"] == "compute"
+  assert math.isclose(roof["roofline_s"], 2e12 / 989.4e12 + 100 * 4e-6)
+
+
+def test_report_command_writes_and_resumes(tmp_path, capsys):
+  """The report over a small preset on v5e:2x2: one row per program, rows kept on a
+  rerun, a projection per round, and a program that cannot fit says so in one line."""
+  settings = cr.ReportSettings(device="v5e:2x2", target="smollm2", dtype="bfloat16",
+                               programs=("ar_step", "round"), methods=("lookup",),
+                               tree_sets=("config",), batches=(1,), max_len=256)
+  lines = []
+  report = cr.run_report(settings, str(tmp_path), progress=lines.append)
+  assert [r["key"] for r in report["rows"]] == ["ar_step b1", "round lookup config b1"]
+  assert all(r["status"] == "fits" for r in report["rows"])
+  (projection,) = report["projections"]
+  assert projection["round_in_ar_steps"] > 1.0  # 11 tokens cost more than one
+  assert (tmp_path / "report.md").read_text().count("| round lookup config b1 |") == 2
+  lines.clear()
+  cr.run_report(settings, str(tmp_path), progress=lines.append)
+  assert all("kept from an earlier run" in line for line in lines)
+  # A cache that cannot fit a v5e's 16 GiB: 64 rows x 64k slots of SmolLM2's KV.
+  big = cr.ReportSettings(device="v5e:2x2", target="smollm2", programs=("ar_step",),
+                          batches=(64,), max_len=65536)
+  (row,) = cr.run_report(big, str(tmp_path / "big"), progress=lines.append)["rows"]
+  assert row["status"] == "does not fit"
+  assert "does not fit" in lines[-1] and "GiB over" in lines[-1]
