@@ -80,6 +80,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from jakiro_jax.reports import aot  # sets the compile-only environment before jax starts
+  from jakiro_jax.drafts import registry
   from jakiro_jax.reports import compile_report as cr
   from jakiro_jax.sharding import parse_mesh_flag
 
@@ -102,8 +103,8 @@ def main(argv):
     if name not in cr.METHODS:
       raise app.UsageError(f"--methods: unknown method {name!r}; known: {cr.METHODS}")
   for name in settings.tree_sets:
-    if name not in cr.TREE_SETS:
-      raise app.UsageError(f"--tree_sets: unknown {name!r}; known: {cr.TREE_SETS}")
+    if name not in registry.TREE_SETS:
+      raise app.UsageError(f"--tree_sets: unknown {name!r}; known: {registry.TREE_SETS}")
   try:
     report = cr.run_report(settings, _OUT.value,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))

@@ -5,6 +5,8 @@ report's figures against a hand count of weights and cache."""
 
 from jakiro_jax.reports import aot  # first: the compile-only environment
 
+import dataclasses  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 
 import jax  # noqa: E402
@@ -173,25 +175,31 @@ ENTRY %main () -> f32[] {
   assert math.isclose(roof["roofline_s"], 2e12 / 989.4e12 + 100 * 4e-6)
 
 
-def test_report_command_writes_and_resumes(tmp_path, capsys):
-  """The report over a small preset on v5e:2x2: one row per program, rows kept on a
+def test_report_command_writes_and_resumes(tmp_path):
+  """The report over a config.json on v5e:2x2: one row per program, rows kept on a
   rerun, a projection per round, and a program that cannot fit says so in one line."""
-  settings = cr.ReportSettings(device="v5e:2x2", target="smollm2", dtype="bfloat16",
+  config_json = tmp_path / "config.json"
+  config_json.write_text(json.dumps(dict(
+      model_type="llama", vocab_size=1024, hidden_size=256, intermediate_size=512,
+      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+      max_position_embeddings=1 << 22)))
+  settings = cr.ReportSettings(device="v5e:2x2", target=str(config_json),
                                programs=("ar_step", "round"), methods=("lookup",),
                                tree_sets=("config",), batches=(1,), max_len=256)
   lines = []
-  report = cr.run_report(settings, str(tmp_path), progress=lines.append)
+  report = cr.run_report(settings, str(tmp_path / "small"), progress=lines.append)
   assert [r["key"] for r in report["rows"]] == ["ar_step b1", "round lookup config b1"]
   assert all(r["status"] == "fits" for r in report["rows"])
   (projection,) = report["projections"]
   assert projection["round_in_ar_steps"] > 1.0  # 11 tokens cost more than one
-  assert (tmp_path / "report.md").read_text().count("| round lookup config b1 |") == 2
+  assert (tmp_path / "small" / "report.md").read_text().count(
+      "| round lookup config b1 |") == 2
   lines.clear()
-  cr.run_report(settings, str(tmp_path), progress=lines.append)
+  cr.run_report(settings, str(tmp_path / "small"), progress=lines.append)
   assert all("kept from an earlier run" in line for line in lines)
-  # A cache that cannot fit a v5e's 16 GiB: 64 rows x 64k slots of SmolLM2's KV.
-  big = cr.ReportSettings(device="v5e:2x2", target="smollm2", programs=("ar_step",),
-                          batches=(64,), max_len=65536)
+  # A cache that cannot fit a v5e's 16 GiB: 64 rows x 4M slots, 1 KiB a slot.
+  big = dataclasses.replace(settings, programs=("ar_step",), batches=(64,),
+                            max_len=1 << 22)
   (row,) = cr.run_report(big, str(tmp_path / "big"), progress=lines.append)["rows"]
   assert row["status"] == "does not fit"
   assert "does not fit" in lines[-1] and "GiB over" in lines[-1]

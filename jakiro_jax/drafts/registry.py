@@ -128,6 +128,21 @@ def split_block(block: Mapping | None) -> tuple[TreeConfig | None, dict]:
   return tree, options
 
 
+TREE_SETS = ("config", "papers")
+
+
+def tree_set_choice(method: str, tree_set: str, tree: TreeConfig | None, options: Mapping
+                    ) -> tuple[TreeConfig | None, dict]:
+  """(tree, options) of `method` in a tree set: "config" keeps the config's, "papers"
+  takes the method's `papers_tree` (the paper's GPU tree) over the config's options."""
+  if tree_set == "papers":
+    tree, papers_options = get(method).papers_tree()
+    return tree, dict(options, **papers_options)
+  if tree_set != "config":
+    raise ValueError(f"unknown tree set {tree_set!r}; known: {TREE_SETS}")
+  return tree, dict(options)
+
+
 def drafter_from_config(config, method: str, target_config: LlamaConfig, **overrides):
   """`make_drafter` from the config's block for `method` (`config_block`); `overrides`
   replace options (None values are ignored)."""

@@ -23,7 +23,6 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
                                      rope_inverse_frequencies)
@@ -42,15 +41,17 @@ def _weight(module: nn.Module, name: str, shape: Sequence[int],
 def _matmul_out_in(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
   """Contracts the last `in_dims` axes of x with the last `in_dims` axes of w [out..., in...].
 
-  Done as one 2-D `[M, in] x [out, in]^T` product: with several free axes XLA's CPU dot
-  lowering transposes the weight on every call, which for a decode step means copying
-  every weight once per token.
+  One dot with the weight as its left operand, `[out..., in...] x [M, in...] -> [out..., M]`,
+  the weight never reshaped: XLA's CPU dot lowering reads it as one row-major matrix (with
+  the weight on the right and several free axes it transposed the weight on every call,
+  i.e. copied every weight once per decode step), and GSPMD keeps a tensor-split out axis
+  split (a reshape merging it with another axis can only be done by gathering the weight).
   """
-  out_shape, in_shape = w.shape[:w.ndim - in_dims], w.shape[w.ndim - in_dims:]
   lead = x.shape[:x.ndim - in_dims]
-  w2 = w.reshape(-1, np.prod(in_shape))
-  y = jnp.einsum("MI,OI->MO", x.reshape(-1, w2.shape[1]), w2)
-  return y.reshape(lead + out_shape)
+  x2 = x.reshape((-1,) + x.shape[x.ndim - in_dims:])
+  contract = (tuple(range(w.ndim - in_dims, w.ndim)), tuple(range(1, in_dims + 1)))
+  y = jax.lax.dot_general(w, x2, (contract, ((), ())))  # [out..., M]
+  return jnp.moveaxis(y, -1, 0).reshape(lead + w.shape[:w.ndim - in_dims])
 
 
 class RMSNorm(nn.Module):
@@ -143,15 +144,11 @@ class MLP(nn.Module):
   def __call__(self, x):
     gate_up_w = _weight(self, "gate_up", (2, self.intermediate_size, self.hidden_size),
                         (None, "mlp", "embed"), self.dtype)
-    # One product per half: merging the 2 with the tensor-split F axis (one [2F, D]
-    # product) is a reshape GSPMD can only do by gathering the whole weight.
-    gate = _matmul_out_in(x, gate_up_w[0], in_dims=1)  # [B, T, F]
-    up = _matmul_out_in(x, gate_up_w[1], in_dims=1)
+    gate_up = _matmul_out_in(x, gate_up_w, in_dims=1)  # [B, T, 2, F]
     if self.bias:
-      bias = _weight(self, "gate_up_bias", (2, self.intermediate_size), (None, "mlp"),
-                     self.dtype, nn.initializers.zeros)
-      gate, up = gate + bias[0], up + bias[1]
-    h = jax.nn.silu(gate) * up
+      gate_up = gate_up + _weight(self, "gate_up_bias", (2, self.intermediate_size),
+                                  (None, "mlp"), self.dtype, nn.initializers.zeros)
+    h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
     down_w = _weight(self, "down", (self.hidden_size, self.intermediate_size),
                      ("embed", "mlp"), self.dtype)
     out = _matmul_out_in(h, down_w, in_dims=1)

@@ -258,11 +258,11 @@ _NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", 
               "conditional", "call", "after-all", "partition-id", "replica-id",
               "opt-barrier", "add-dependency", "async-done", "async-update", "copy-done",
               "send-done", "recv-done", "domain", "get-dimension-size", "iota"}
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
 _OPCODE = re.compile(r"(?<![\w.\-%])([a-z][a-z0-9\-]*)\(")
 _CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|"
                      r"false_computation)=%?([\w.\-]+)")
-_CALLED_LIST = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
+_CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|"
                     r"f16|f32|f64|c64|c128)\[([\d,]*)\]")
@@ -273,24 +273,25 @@ _ITEM_BYTES = {"pred": 1, "s4": 0.5, "s8": 1, "s16": 2, "s32": 4, "s64": 8, "u4"
 
 @dataclasses.dataclass
 class Instruction:
-  name: str
   opcode: str
   result: str  # the result type text
-  called: list[tuple[str, str]]  # (how, computation name)
+  called: list[str]  # computations it calls (bodies, branches, fusions, reducers, ...)
   text: str
 
   @property
+  def result_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of each result array; an async `-start` returns (operands, results),
+    of which the results."""
+    shapes = [(dtype, tuple(int(d) for d in dims.split(",") if d))
+              for dtype, dims in _SHAPE.findall(self.result)]
+    if self.opcode.endswith("-start") and len(shapes) > 1:
+      shapes = shapes[len(shapes) // 2:]
+    return shapes
+
+  @property
   def result_bytes(self) -> int:
-    """Bytes of the result (the first array of a tuple result for async starts)."""
-    found = _SHAPE.findall(self.result)
-    if not found:
-      return 0
-    if self.opcode.endswith("-start") and len(found) > 1:
-      found = found[-1:]  # (operand, result) pairs: the result is last
-    total = 0.0
-    for dtype, dims in found:
-      total += math.prod(int(d) for d in dims.split(",") if d) * _ITEM_BYTES[dtype]
-    return int(total)
+    return int(sum(math.prod(dims) * _ITEM_BYTES[dtype]
+                   for dtype, dims in self.result_shapes))
 
   @property
   def trip_count(self) -> int | None:
@@ -303,9 +304,10 @@ class HloModule:
   computations: dict[str, list[Instruction]]
   entry: str
 
-  def reachable(self, start: str, how: tuple[str, ...] | None = None) -> set[str]:
-    """Computations reached from `start` (itself included) through calls of the kinds
-    `how` (None: every kind)."""
+  def control(self, start: str) -> set[str]:
+    """`start` and what it runs as control flow (loop bodies and conditions, branches,
+    called subroutines such as command buffers), not fusion bodies or reducers: the
+    computations whose instructions launch kernels and collectives."""
     seen, stack = set(), [start]
     while stack:
       name = stack.pop()
@@ -313,7 +315,8 @@ class HloModule:
         continue
       seen.add(name)
       for ins in self.computations[name]:
-        stack.extend(c for kind, c in ins.called if how is None or kind in how)
+        if ins.opcode in ("while", "conditional", "call"):
+          stack.extend(ins.called)
     return seen
 
 
@@ -335,138 +338,79 @@ def parse_hlo(text: str) -> HloModule:
       current = None
       continue
     match = _INSTRUCTION.match(line)
-    if not match:
-      continue
-    name, rest = match.groups()
-    opcode = _OPCODE.search(rest)
+    opcode = match and _OPCODE.search(match.group(1))
     if not opcode:
       continue
-    result = rest[:opcode.start()].strip()
-    called = [(k, v) for k, v in _CALLED.findall(rest)]
-    for kind, names in _CALLED_LIST.findall(rest):
-      called.extend((kind, n.strip().lstrip("%")) for n in names.split(",") if n.strip())
-    computations[current].append(Instruction(name, opcode.group(1), result, called, rest))
+    rest = match.group(1)
+    called = [name for _, name in _CALLED.findall(rest)]
+    for names in _CALLED_LIST.findall(rest):
+      called.extend(n.strip().lstrip("%") for n in names.split(",") if n.strip())
+    computations[current].append(
+        Instruction(opcode.group(1), rest[:opcode.start()].strip(), called, rest))
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
   return HloModule(computations, entry)
 
 
-def collective_kind(opcode: str) -> str | None:
-  """'all-reduce' for all-reduce / all-reduce-start; None for -done halves and others."""
+def collective_kind(module: HloModule, ins: Instruction) -> str | None:
+  """'all-reduce' for all-reduce / all-reduce-start / an async-start wrapping one; None
+  for the -done halves and everything else."""
   for kind in COLLECTIVES:
-    if opcode in (kind, kind + "-start"):
+    if ins.opcode in (kind, kind + "-start"):
       return kind
+  if ins.opcode == "async-start":
+    for name in ins.called:
+      for inner in module.computations.get(name, []):
+        if inner.opcode in COLLECTIVES:
+          return inner.opcode
   return None
-
-
-def _control_computations(module: HloModule, start: str) -> set[str]:
-  """`start` and the computations it runs as control flow (loop bodies and conditions,
-  branches, called subroutines such as command buffers), not fusion bodies or
-  reducers."""
-  seen, stack = set(), [start]
-  while stack:
-    name = stack.pop()
-    if name in seen or name not in module.computations:
-      continue
-    seen.add(name)
-    for ins in module.computations[name]:
-      if ins.opcode in ("while", "conditional", "call"):
-        stack.extend(c for _, c in ins.called)
-  return seen
-
-
-def _loop_bodies(module: HloModule) -> list[tuple[Instruction, str, str]]:
-  """(while instruction, body, condition) of the entry computation's while loops."""
-  loops = []
-  for ins in module.computations[module.entry]:
-    if ins.opcode == "while":
-      called = dict(ins.called)
-      loops.append((ins, called.get("body"), called.get("condition")))
-  return loops
-
-
-def _is_command_buffer(name: str) -> bool:
-  return "command_buffer" in name
 
 
 def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) -> dict:
   """What the optimized per-device HLO does: collectives by kind (and their bytes),
-  outside and inside the top-level loop body; kernels launched per program and per
-  loop iteration (GPU); whether the loop runs as a command buffer (CUDA graph); and
-  all-gathers whose result has the shape of a whole weight (`weight_shapes`: the
-  unsharded parameter shapes), each marked inside the loop or not."""
+  outside and inside the entry's loop bodies; kernels launched outside the loops and
+  per loop iteration (GPU); whether a loop body runs as a command buffer (CUDA graph);
+  and all-gathers whose result has the shape of a whole weight (`weight_shapes`: the
+  unsharded parameter shapes), each marked inside a loop or not."""
   module = parse_hlo(text)
-  loops = _loop_bodies(module)
-  in_loop: set[str] = set()
-  for _, body, condition in loops:
-    for name in (body, condition):
-      if name:
-        in_loop |= module.reachable(name)
+  loops = [ins for ins in module.computations[module.entry] if ins.opcode == "while"]
+  in_loop = set().union(*(module.control(c) for ins in loops for c in ins.called))
+  outside = module.control(module.entry) - in_loop
 
-  def collectives(names):
+  def collectives(names) -> dict[str, dict[str, int]]:
     counts: dict[str, dict[str, int]] = {}
     for name in names:
-      for ins in module.computations.get(name, []):
-        kind = collective_kind(ins.opcode)
-        if kind is None and ins.opcode == "async-start":
-          kinds = {collective_kind(i.opcode) for c in module.reachable(ins.called[0][1])
-                   for i in module.computations.get(c, [])} - {None} if ins.called else set()
-          kind = next(iter(kinds), None)
+      for ins in module.computations[name]:
+        kind = collective_kind(module, ins)
         if kind:
           entry = counts.setdefault(kind, {"count": 0, "bytes": 0})
           entry["count"] += 1
           entry["bytes"] += ins.result_bytes
     return counts
 
-  everything = set(module.computations)
-  weight_gathers = []
-  for name in sorted(everything):
-    for ins in module.computations.get(name, []):
-      if collective_kind(ins.opcode) != "all-gather":
-        continue
-      shapes = [tuple(int(d) for d in dims.split(",") if d)
-                for _, dims in _SHAPE.findall(ins.result)]
-      if ins.opcode.endswith("-start"):
-        shapes = shapes[len(shapes) // 2:]  # (operands, results): the results
-      whole = [s for s in shapes if s in weight_shapes]
-      if whole:
-        weight_gathers.append({"shapes": [list(s) for s in whole],
-                               "in_loop": name in in_loop})
+  def launches(ins: Instruction) -> bool:
+    return ins.opcode not in _NO_KERNEL and not ins.opcode.endswith("-done")
 
-  def kernels(names) -> tuple[int, int]:
-    """(kernels, of which inside command buffers) launched by one pass over `names`."""
-    total = graphed = 0
-    for name in names:
-      for ins in module.computations.get(name, []):
-        if ins.opcode in _NO_KERNEL or ins.opcode.endswith("-done"):
-          continue
-        total += 1
-        graphed += _is_command_buffer(name)
-    return total, graphed
+  def kernels(names) -> int:
+    return sum(launches(ins) for name in names for ins in module.computations[name])
 
-  loop_control: set[str] = set()
-  for _, body, condition in loops:
-    for name in (body, condition):
-      if name:
-        loop_control |= _control_computations(module, name)
-  entry_control = _control_computations(module, module.entry) - loop_control
-  per_iter, per_iter_graphed = kernels(loop_control)
-  outside, _ = kernels(entry_control)
-  loop_is_graph = bool(loops) and any(
-      _is_command_buffer(c) for _, body, _ in loops
-      for c in _control_computations(module, body) if body)
+  weight_gathers = [
+      {"shapes": [list(dims) for _, dims in ins.result_shapes if dims in weight_shapes],
+       "in_loop": name in in_loop}
+      for name in sorted(in_loop | outside) for ins in module.computations[name]
+      if collective_kind(module, ins) == "all-gather"
+      and any(dims in weight_shapes for _, dims in ins.result_shapes)]
+  graphed = {n for n in in_loop if "command_buffer" in n}
   return {
-      "collectives": collectives(everything - in_loop),
+      "collectives": collectives(outside),
       "collectives_in_loop": collectives(in_loop),
       "loops": len(loops),
-      "loop_trip_counts": [ins.trip_count for ins, _, _ in loops],
-      "kernels_outside_loop": outside,
-      "kernels_per_iteration": per_iter,
-      "kernels_per_iteration_graphed": per_iter_graphed,
-      "loop_is_command_buffer": loop_is_graph,
+      "loop_trip_counts": [ins.trip_count for ins in loops],
+      "kernels_outside_loop": kernels(outside),
+      "kernels_per_iteration": kernels(in_loop),
+      "kernels_per_iteration_graphed": kernels(graphed),
+      "loop_is_command_buffer": bool(graphed),
       "weight_all_gathers": weight_gathers,
-      "fusions": sum(ins.opcode == "fusion" for c in everything
-                     for ins in module.computations[c]),
   }
 
 

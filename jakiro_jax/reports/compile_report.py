@@ -34,8 +34,8 @@ from jakiro_jax.reports import programs  # noqa: E402
 PROGRAM_KINDS = ("prefill", "ar_step", "ar_loop", "gen_data", "round", "spec_loop",
                  "train")
 METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho", "lookup")
-TREE_SETS = ("papers", "config")
 TRAINED = ("eagle2", "jakiro", "jakiro_star", "gumiho")
+GENERATION_LOOPS = ("ar_loop", "gen_data", "spec_loop")  # programs around a while loop
 
 # tau we measured (SmolLM2-135M target, shipped drafts, T = 0, pooled over the five
 # evaluation files, README "Results"): the projections' input, not a claim about 8B
@@ -55,7 +55,7 @@ class ReportSettings:
   dtype: str = "bfloat16"
   programs: tuple[str, ...] = PROGRAM_KINDS
   methods: tuple[str, ...] = METHODS
-  tree_sets: tuple[str, ...] = TREE_SETS
+  tree_sets: tuple[str, ...] = ("papers", "config")
   batches: tuple[int, ...] = (1, 8, 64)  # prefill, AR step / loop
   spec_batches: tuple[int, ...] = (1,)  # rounds and speculative loops
   prompt_len: int = 512
@@ -97,11 +97,9 @@ def method_drafter(method: str, tree_set: str, config, drafts: Mapping | None):
   """The drafter of `method` at the config's tree ("config": its block in `drafts`, or
   the method's default) or at the paper's tree ("papers")."""
   from jakiro_jax.drafts import registry
-  block = dict((drafts or {}).get(method) or {})
-  tree, options = registry.split_block(block)
-  if tree_set == "papers":
-    tree, papers_options = registry.get(method).papers_tree()
-    options = dict(options, **papers_options)
+  tree, options = registry.split_block(registry.config_block({"drafts": drafts or {}},
+                                                              method))
+  tree, options = registry.tree_set_choice(method, tree_set, tree, options)
   return registry.make_drafter(method, config, tree, **options)
 
 
@@ -194,13 +192,12 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None) -
   memory = aot.memory_of(compiled)
   hlo = aot.analyze_hlo(compiled.as_text(), program.weight_shapes())
   cost = aot.cost_of(compiled)
-  trips = [t or 1 for t in hlo["loop_trip_counts"]]
-  if program.name in ("ar_loop", "gen_data", "spec_loop"):
-    kernels = hlo["kernels_per_iteration"]  # per step of the generation loop
-    graphed = hlo["loop_is_command_buffer"]
-  else:  # one step; inner loops (a drafter's levels) run their trip counts
-    kernels = hlo["kernels_outside_loop"] + hlo["kernels_per_iteration"] * max(trips or [1])
-    graphed = False
+  looped = program.name in GENERATION_LOOPS
+  if looped:  # per step of the generation loop
+    kernels, graphed = hlo["kernels_per_iteration"], hlo["loop_is_command_buffer"]
+  else:  # one step; an inner loop (a drafter's levels) runs its trip count
+    trips = max((t or 1 for t in hlo["loop_trip_counts"]), default=1)
+    kernels, graphed = hlo["kernels_outside_loop"] + hlo["kernels_per_iteration"] * trips, False
   row.update(
       status="fits" if memory["peak"] <= peaks["hbm_bytes"] else "does not fit",
       compile_s=time.perf_counter() - started, memory=memory,
@@ -209,7 +206,7 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None) -
       kernels_per_step=kernels if platform.is_gpu else None,
       roofline=aot.roofline_s(cost["flops"], cost["bytes"],
                               kernels if platform.is_gpu else 0, peaks, graphed))
-  if program.name in ("ar_loop", "gen_data", "spec_loop"):
+  if looped:
     row["roofline"]["note"] = "loop: flops/bytes count the prefill and one loop body"
   return row
 

@@ -29,10 +29,10 @@ import jax.numpy as jnp
 from jakiro_jax import sharding
 from jakiro_jax.drafts.base import TargetHead
 from jakiro_jax.models.config import LlamaConfig
-from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.models.llama import Llama, init_params, new_cache
 from jakiro_jax.speculative import autoregressive as ar
 from jakiro_jax.speculative import generate as spec
+from jakiro_jax.speculative.round_timing import decode_forward
 from jakiro_jax.speculative.sampling import SamplingConfig
 
 STOP_IDS = (2,)  # any id: stop tokens only change a comparison
@@ -109,16 +109,8 @@ def forward_program(config: LlamaConfig, mesh, batch: int, tokens: int,
   an N-node tree costs (the mask's pattern does not change dense attention's work)."""
   params, params_sh = abstract_target(config, mesh)
   cache, cache_sh = abstract_cache(lambda: new_cache(config, batch, max_len), mesh)
-  model = Llama(config)
   rows = sharding.batch_sharding((batch,), mesh)
-
-  def step(params, new_tokens, cache):
-    lengths = cache.lengths
-    positions = lengths[:, None] + jnp.arange(tokens, dtype=jnp.int32)[None]
-    logits, _, cache = model.apply(params, new_tokens, positions, cache,
-                                   causal_mask(lengths, tokens, cache.max_len))
-    return logits, cache.replace(lengths=lengths + tokens)
-
+  step = decode_forward(config, advance=True)
   fn = jax.jit(step, in_shardings=(params_sh, rows, cache_sh),
                out_shardings=(rows, cache_sh), donate_argnums=(2,))
   args = (placed(params, params_sh), _rows(batch, mesh, jnp.int32, tokens),
@@ -149,6 +141,8 @@ def ar_loop_program(config: LlamaConfig, mesh, batch: int, prompt_len: int,
 
 
 def _spec_pieces(config, drafter, mesh, batch: int, max_len: int):
+  """(abstract weights, the loop's in/out shardings, its placed arguments but the prompt:
+  target params, draft params, lengths, budgets, key, target cache, draft cache)."""
   params, params_sh = abstract_target(config, mesh)
   draft = jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0))
   draft_sh = sharding.draft_shardings(drafter, draft, mesh)
@@ -156,25 +150,15 @@ def _spec_pieces(config, drafter, mesh, batch: int, max_len: int):
   dcache, dcache_sh = abstract_cache(lambda: drafter.new_cache(batch, max_len), mesh)
   in_sh, out_sh = spec.speculative_shardings(params_sh, draft_sh, tcache_sh, dcache_sh,
                                              batch, mesh)
-  args = (placed(params, params_sh), placed(draft, draft_sh), None, _rows(batch, mesh),
+  args = (placed(params, params_sh), placed(draft, draft_sh), _rows(batch, mesh),
           _rows(batch, mesh), _key(mesh), placed(tcache, tcache_sh),
           placed(dcache, dcache_sh))
   return (params, draft), in_sh, out_sh, args
 
 
-def spec_loop_program(config: LlamaConfig, drafter, mesh, batch: int, prompt_len: int,
-                      max_new_tokens: int, max_len: int,
-                      sampling: SamplingConfig = SamplingConfig()) -> Program:
-  """The whole jitted speculative loop, as `generate` runs it on a mesh."""
-  params, in_sh, out_sh, args = _spec_pieces(config, drafter, mesh, batch, max_len)
-  static = dict(target_config=config, drafter=drafter, max_new_tokens=max_new_tokens,
-                sampling=sampling, stop_ids=STOP_IDS, pad_id=0, prune_schedule=None)
-  fn = jax.jit(functools.partial(spec._speculative_loop, **static), in_shardings=in_sh,
-               out_shardings=out_sh, donate_argnums=(6, 7))
-  args = args[:2] + (_rows(batch, mesh, jnp.int32, prompt_len),) + args[3:]
-  return Program("spec_loop", fn, args, dict(
-      batch=batch, tokens=prompt_len, max_new_tokens=max_new_tokens, cache_slots=max_len,
-      **_tree_info(drafter)), params)
+def _loop_static(config, drafter, max_new_tokens: int, sampling: SamplingConfig) -> dict:
+  return dict(target_config=config, drafter=drafter, max_new_tokens=max_new_tokens,
+              sampling=sampling, stop_ids=STOP_IDS, pad_id=0, prune_schedule=None)
 
 
 def _tree_info(drafter) -> dict:
@@ -183,25 +167,40 @@ def _tree_info(drafter) -> dict:
               tree_nodes=tree.total_tokens)
 
 
+def spec_loop_program(config: LlamaConfig, drafter, mesh, batch: int, prompt_len: int,
+                      max_new_tokens: int, max_len: int,
+                      sampling: SamplingConfig = SamplingConfig()) -> Program:
+  """The whole jitted speculative loop, as `generate` runs it on a mesh."""
+  weights, in_sh, out_sh, (target, draft, *rest) = _spec_pieces(config, drafter, mesh,
+                                                                 batch, max_len)
+  fn = jax.jit(functools.partial(spec._speculative_loop,
+                                 **_loop_static(config, drafter, max_new_tokens, sampling)),
+               in_shardings=in_sh, out_shardings=out_sh, donate_argnums=(6, 7))
+  args = (target, draft, _rows(batch, mesh, jnp.int32, prompt_len), *rest)
+  return Program("spec_loop", fn, args, dict(
+      batch=batch, tokens=prompt_len, max_new_tokens=max_new_tokens, cache_slots=max_len,
+      **_tree_info(drafter)), weights)
+
+
 def round_program(config: LlamaConfig, drafter, mesh, batch: int, max_new_tokens: int,
                   max_len: int, sampling: SamplingConfig = SamplingConfig()) -> Program:
   """One speculative round on a loop state (`generate.speculative_round`), the state
   donated: what one iteration of `spec_loop` does."""
-  params, in_sh, out_sh, args = _spec_pieces(config, drafter, mesh, batch, max_len)
-  static = dict(target_config=config, drafter=drafter, max_new_tokens=max_new_tokens,
-                sampling=sampling, stop_ids=STOP_IDS, pad_id=0, prune_schedule=None)
-  prompt = jax.ShapeDtypeStruct((batch, 8), jnp.int32)
-  state = jax.eval_shape(functools.partial(spec._speculative_loop, **static),
-                         args[0], args[1], prompt, *args[3:])
-  round_static = {k: static[k] for k in spec.ROUND_STATIC_ARGS}
-  rows = sharding.batch_sharding((batch,), mesh)
-  fn = jax.jit(functools.partial(spec.speculative_round, **round_static),
-               in_shardings=(out_sh, in_sh[0], in_sh[1], rows, in_sh[5]),
+  weights, in_sh, out_sh, (target, draft, lengths, budgets, key, *caches) = _spec_pieces(
+      config, drafter, mesh, batch, max_len)
+  static = _loop_static(config, drafter, max_new_tokens, sampling)
+  # The loop's state has the shapes its output has (a short prompt traces fast).
+  state = jax.eval_shape(functools.partial(spec._speculative_loop, **static), target,
+                         draft, jax.ShapeDtypeStruct((batch, 8), jnp.int32), lengths,
+                         budgets, key, *caches)
+  fn = jax.jit(functools.partial(spec.speculative_round,
+                                 **{k: static[k] for k in spec.ROUND_STATIC_ARGS}),
+               in_shardings=(out_sh, in_sh[0], in_sh[1], in_sh[4], in_sh[5]),
                out_shardings=out_sh, donate_argnums=(0,))
-  round_args = (placed(state, out_sh), args[0], args[1], _rows(batch, mesh), _key(mesh))
-  return Program("round", fn, round_args, dict(
+  args = (placed(state, out_sh), target, draft, budgets, key)
+  return Program("round", fn, args, dict(
       batch=batch, max_new_tokens=max_new_tokens, cache_slots=max_len,
-      **_tree_info(drafter)), params)
+      **_tree_info(drafter)), weights)
 
 
 def train_program(config: LlamaConfig, drafter, mesh, batch: int, length: int,

@@ -6,7 +6,6 @@ functions at a representative context length (medians of repeated calls).
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
@@ -39,23 +38,27 @@ def median_ms(fn, repeats: int = 7, warmup: int = 2) -> float:
   return float(np.median(timed_runs(fn, repeats, warmup)) * 1e3)
 
 
-def decode_step_fn(config):
-  """The jitted, cache-donating forward of a target of `config` over `T` new tokens after
-  each row's cache: `(params, tokens [B, T], cache) -> (logits [B, T, V], cache)`. T = 1
-  is the AR decode step; T = N costs what the verify forward of an N-node tree costs (the
-  mask pattern does not change the dense attention's work). The cache lengths stay, so
-  every call times the same step."""
+def decode_forward(config, advance: bool = False):
+  """The forward of a target of `config` over `T` new tokens after each row's cache:
+  `(params, tokens [B, T], cache) -> (logits [B, T, V], cache)`. T = 1 is the AR decode
+  step; T = N costs what the verify forward of an N-node tree costs (the mask pattern
+  does not change the dense attention's work). The cache lengths stay (every call times
+  the same step) unless `advance`."""
   model = Llama(config)
 
-  @functools.partial(jax.jit, donate_argnames=("cache",))
   def step(params, tokens, cache):
     lengths = cache.lengths
     n = tokens.shape[1]
     positions = lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
     logits, _, cache = model.apply(params, tokens, positions, cache,
                                    causal_mask(lengths, n, cache.max_len))
-    return logits, cache.replace(lengths=lengths)
+    return logits, cache.replace(lengths=lengths + n if advance else lengths)
   return step
+
+
+def decode_step_fn(config):
+  """`decode_forward(config)` jitted, the cache donated."""
+  return jax.jit(decode_forward(config), donate_argnames=("cache",))
 
 
 def ar_step_ms(target, context_len: int) -> float:

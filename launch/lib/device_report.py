@@ -403,14 +403,11 @@ def tree_choice(config, method: str, tree_set: str):
   from jakiro_jax.drafts import registry
   from launch.lib.benchmark import tree_and_options
 
-  cls = registry.get(method)
-  tree, options = tree_and_options(config, method)
-  if tree_set == "papers":
-    tree, papers_options = cls.papers_tree()
-    options = dict(options, **papers_options)
-  elif tree_set != "config":
+  if tree_set not in registry.TREE_SETS:
     raise ValueError(f"no fixed trees for tree set {tree_set!r}")
-  return cls.tree_for(tree, options), options
+  tree, options = registry.tree_set_choice(method, tree_set,
+                                           *tree_and_options(config, method))
+  return registry.get(method).tree_for(tree, options), options
 
 
 def speculative_settings(size: str, config, methods: Sequence[str], questions_dir: str,
