@@ -102,7 +102,7 @@ def test_speculative_loop_keeps_weights_sharded(platform):
       "weight_all_gathers"]
 
 
-@pytest.mark.parametrize("method", cr.METHODS)
+@pytest.mark.parametrize("method", registry.names())
 def test_round_of_each_method_compiles(platform, method):
   mesh = tensor_mesh(platform)
   drafter = cr.method_drafter(method, "config", tiny(), {})
@@ -187,11 +187,14 @@ def test_report_command_writes_and_resumes(tmp_path):
                                programs=("ar_step", "round"), methods=("lookup",),
                                tree_sets=("config",), batches=(1,), max_len=256)
   lines = []
-  report = cr.run_report(settings, str(tmp_path / "small"), progress=lines.append)
+  report = cr.run_report(settings, str(tmp_path / "small"), progress=lines.append,
+                         tau={"config": {"lookup": 1.5}})
   assert [r["key"] for r in report["rows"]] == ["ar_step b1", "round lookup config b1"]
   assert all(r["status"] == "fits" for r in report["rows"])
   (projection,) = report["projections"]
   assert projection["round_in_ar_steps"] > 1.0  # 11 tokens cost more than one
+  assert projection["projected_speedup"] == pytest.approx(
+      1.5 / projection["round_in_ar_steps"])
   assert (tmp_path / "small" / "report.md").read_text().count(
       "| round lookup config b1 |") == 2
   lines.clear()

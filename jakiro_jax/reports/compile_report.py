@@ -7,7 +7,7 @@ not), flops, bytes accessed, collectives by kind outside and inside the loop bod
 kernels per step (GPU) and the roofline time `max(flops / peak, bytes / bandwidth)` (+
 kernels x launch cost on a GPU loop that is not a CUDA graph), every peak from
 `aot.PEAKS`. From those, labelled as projections: a round's cost in AR steps and the
-speedup the measured tau (`MEASURED_TAU`) would give. Each program's row is written to
+speedup a given tau (e.g. the one we measured) would give. Each program's row is written to
 `OUT/rows/` as it compiles, so an interrupted run continues where it stopped.
 """
 
@@ -27,24 +27,14 @@ from jakiro_jax.reports import aot  # first: sets the compile-only environment
 import jax  # noqa: E402
 
 from jakiro_jax import atomic_dir, sharding  # noqa: E402
+from jakiro_jax.drafts import registry  # noqa: E402
 from jakiro_jax.models.config import config_from_hf  # noqa: E402
 from jakiro_jax.models.presets import preset_or_file  # noqa: E402
 from jakiro_jax.reports import programs  # noqa: E402
 
 PROGRAM_KINDS = ("prefill", "ar_step", "ar_loop", "gen_data", "round", "spec_loop",
                  "train")
-METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho", "lookup")
-TRAINED = ("eagle2", "jakiro", "jakiro_star", "gumiho")
 GENERATION_LOOPS = ("ar_loop", "gen_data", "spec_loop")  # programs around a while loop
-
-# tau we measured (SmolLM2-135M target, shipped drafts, T = 0, pooled over the five
-# evaluation files, README "Results"): the projections' input, not a claim about 8B
-# targets, whose drafts accept more (the papers report tau 3.5-5 at 7-8B).
-MEASURED_TAU = {
-    "config": {"eagle2": 2.15, "jakiro": 2.09, "gumiho": 2.19, "lookup": 1.63,
-               "jakiro_star": 1.38},  # jakiro_star: T = 1 (no T = 0 run)
-    "papers": {"eagle2": 2.57, "jakiro": 2.49, "gumiho": 2.62},
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +44,7 @@ class ReportSettings:
   target: str = "llama31_8b"  # a preset (`models/presets.py`) or a config.json path
   dtype: str = "bfloat16"
   programs: tuple[str, ...] = PROGRAM_KINDS
-  methods: tuple[str, ...] = METHODS
+  methods: tuple[str, ...] | None = None  # None: every registered method
   tree_sets: tuple[str, ...] = ("papers", "config")
   batches: tuple[int, ...] = (1, 8, 64)  # prefill, AR step / loop
   spec_batches: tuple[int, ...] = (1,)  # rounds and speculative loops
@@ -96,7 +86,6 @@ def default_mesh(num_devices: int, config, training: bool = False) -> tuple[int,
 def method_drafter(method: str, tree_set: str, config, drafts: Mapping | None):
   """The drafter of `method` at the config's tree ("config": its block in `drafts`, or
   the method's default) or at the paper's tree ("papers")."""
-  from jakiro_jax.drafts import registry
   tree, options = registry.split_block(registry.config_block({"drafts": drafts or {}},
                                                               method))
   tree, options = registry.tree_set_choice(method, tree_set, tree, options)
@@ -117,6 +106,7 @@ def jobs(settings: ReportSettings, config, platform: aot.Platform) -> list[Job]:
   mesh = sharding.make_mesh(mesh_sizes, devices=platform.devices)
   out: list[Job] = []
   s = settings
+  methods = s.methods or registry.names()
   for kind in s.programs:
     if kind not in PROGRAM_KINDS:
       raise ValueError(f"unknown program {kind!r}; known: {PROGRAM_KINDS}")
@@ -135,7 +125,7 @@ def jobs(settings: ReportSettings, config, platform: aot.Platform) -> list[Job]:
                          config, mesh, s.gen_data_batch, s.gen_data_prompt_len,
                          s.gen_data_max_new_tokens, s.gen_data_max_len, name="gen_data")))
     elif kind in ("round", "spec_loop"):
-      for method in s.methods:
+      for method in methods:
         for tree_set in s.tree_sets:
           for b in s.spec_batches:
             def build(method=method, tree_set=tree_set, b=b, kind=kind):
@@ -149,9 +139,9 @@ def jobs(settings: ReportSettings, config, platform: aot.Platform) -> list[Job]:
     elif kind == "train":
       train_mesh = sharding.make_mesh(train_sizes, devices=platform.devices)
       batch = s.train_batch_per_device * train_sizes[0] * train_sizes[1]
-      for method in s.methods:
-        if method not in TRAINED:
-          continue
+      for method in methods:
+        if not registry.has_params(method_drafter(method, "config", config, s.drafts)):
+          continue  # nothing to train (prompt lookup)
         out.append(Job(f"train {method} b{batch}", kind, lambda m=method, b=batch:
                        programs.train_program(config, method_drafter(m, "config", config,
                                                                      s.drafts),
@@ -211,9 +201,10 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None) -
   return row
 
 
-def projections(rows: Sequence[Mapping]) -> list[dict]:
+def projections(rows: Sequence[Mapping], tau: Mapping | None = None) -> list[dict]:
   """Per compiled round: its roofline in AR steps of the same batch, and the speedup
-  the measured tau implies (tau / round cost in AR steps). Projections, not timings."""
+  `tau[tree_set][method]` implies (tau / round cost in AR steps). Projections, not
+  timings."""
   steps = {r["batch"]: r["roofline"]["roofline_s"] for r in rows
            if r.get("program") == "ar_step" and r.get("roofline")}
   out = []
@@ -222,17 +213,17 @@ def projections(rows: Sequence[Mapping]) -> list[dict]:
       continue
     tree_set = r["key"].split()[2]
     cost = r["roofline"]["roofline_s"] / steps[r["batch"]]
-    tau = MEASURED_TAU.get(tree_set, {}).get(r["method"])
+    known = (tau or {}).get(tree_set, {}).get(r["method"])
     out.append({"round": r["key"], "method": r["method"], "tree_set": tree_set,
                 "batch": r["batch"], "tree_nodes": r["tree_nodes"],
                 "round_s": r["roofline"]["roofline_s"], "ar_step_s": steps[r["batch"]],
-                "round_in_ar_steps": cost, "measured_tau": tau,
-                "projected_speedup": tau / cost if tau else None})
+                "round_in_ar_steps": cost, "tau": known,
+                "projected_speedup": known / cost if known else None})
   return out
 
 
 def run_report(settings: ReportSettings, out_dir: str,
-               progress: Callable[[str], None] = print) -> dict:
+               progress: Callable[[str], None] = print, tau: Mapping | None = None) -> dict:
   """Compiles every program of `settings` and writes OUT/report.json and report.md;
   rows already in OUT/rows (same settings) are kept, so a rerun continues."""
   os.makedirs(os.path.join(out_dir, "rows"), exist_ok=True)
@@ -274,7 +265,7 @@ def run_report(settings: ReportSettings, out_dir: str,
       "train_mesh": dict(zip(sharding.MESH_AXES, train_sizes)),
       "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "drafts"},
       "versions": {"jax": jax.__version__},
-      "rows": rows, "projections": projections(rows)}
+      "rows": rows, "projections": projections(rows, tau)}
   atomic_dir.write_json(os.path.join(out_dir, "report.json"), report)
   with open(os.path.join(out_dir, "report.md"), "w") as f:
     f.write(markdown(report))
@@ -356,12 +347,12 @@ def markdown(report: Mapping) -> str:
               for (k, shape, in_loop), n in gathers.items()]
   if report["projections"]:
     lines += ["", "Projection (roofline of a round / roofline of an AR step, same batch; "
-              "speedup = measured tau / that cost; tau measured with SmolLM2 drafts):", "",
+              "speedup = the given tau / that cost):", "",
               "| round | nodes | round ms | AR step ms | round in AR steps | tau | "
               "projected speedup |", "|---|---|---|---|---|---|---|"]
     for x in report["projections"]:
       speed = "-" if x["projected_speedup"] is None else f"{x['projected_speedup']:.2f}x"
-      tau = "-" if x["measured_tau"] is None else f"{x['measured_tau']:.2f}"
+      tau = "-" if x["tau"] is None else f"{x['tau']:.2f}"
       lines.append(f"| {x['round']} | {x['tree_nodes']} | {x['round_s'] * 1e3:.3f} | "
                    f"{x['ar_step_s'] * 1e3:.3f} | {x['round_in_ar_steps']:.2f} | {tau} | "
                    f"{speed} |")
