@@ -192,3 +192,19 @@ def test_bad_inputs_raise(target):
                  mlp_num=2, mlp_topk=98, pruning=3)
   with pytest.raises(ValueError, match="temperature must be >= 0"):
     generate(target, drafter, params, [[5]], 4, SamplingConfig(temperature=-0.5))
+
+
+@pytest.mark.parametrize("vocab,k", [(49152, 10), (1024, 8), (37, 5), (64, 9)])
+def test_block_topk_is_exactly_lax_top_k(vocab, k):
+  """The vocabulary ranked in blocks then merged (accelerators) gives lax.top_k's scores
+  and ids, ties to the lower id included (integer scores: many ties across blocks)."""
+  from jakiro_jax.speculative.tree import topk_level, vocab_blocks
+  rng = np.random.default_rng(vocab)
+  for logp in (rng.integers(-3, 3, size=(2, 10, vocab)).astype(np.float32),
+               rng.normal(size=(2, 10, vocab)).astype(np.float32),
+               np.zeros((1, 3, vocab), np.float32)):
+    want = jax.lax.top_k(jnp.asarray(logp), k)
+    with vocab_blocks(8):  # as on an accelerator
+      got = topk_level(jnp.asarray(logp), k)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

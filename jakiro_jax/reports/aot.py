@@ -28,32 +28,35 @@ from typing import Any, Mapping
 # Peak figures per chip / card. Every number the roofline uses is here, with its source.
 #   bf16_flops: dense bf16 matmul FLOP/s; hbm_bw: bytes/s; hbm_bytes: memory per device;
 #   link_bw: bytes/s one way out of a device over the fast interconnect (NVLink / ICI);
-#   launch_s: cost of one kernel launch when a loop is not captured as a graph (GPU only).
+#   launch_s: one launch from the host (a kernel, or a command buffer of many; GPU only);
+#   graph_node_s: each kernel inside a command buffer (GPU only).
 PEAKS: dict[str, dict[str, Any]] = {
     "h100": dict(
         name="NVIDIA H100 SXM5 80GB", bf16_flops=989.4e12, hbm_bw=3.35e12,
-        hbm_bytes=80 * 10**9, link_bw=450e9, launch_s=4e-6,
+        hbm_bytes=80 * 10**9, link_bw=450e9, launch_s=4e-6, graph_node_s=1e-6,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 1,979 TFLOPS bf16 with "
                "sparsity = 989 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s both ways); "
-               "launch_s: a few us per kernel launch, our round figure"),
+               "launch_s, graph_node_s: our round figures for a host launch (a few us) "
+               "and for the gap between kernels of a CUDA graph (about 1 us), until a "
+               "device measures them"),
     "v4": dict(
         name="TPU v4", bf16_flops=275e12, hbm_bw=1.2e12, hbm_bytes=32 * 2**30,
-        link_bw=2400e9 / 8 / 2, launch_s=0.0,
+        link_bw=2400e9 / 8 / 2, launch_s=0.0, graph_node_s=0.0,
         source="cloud.google.com/tpu/docs/v4 (275 TFLOPS bf16, 32 GiB HBM2 at 1,200 GB/s "
                "per chip)"),
     "v5e": dict(
         name="TPU v5e", bf16_flops=197e12, hbm_bw=819e9, hbm_bytes=16 * 2**30,
-        link_bw=1600e9 / 8 / 2, launch_s=0.0,
+        link_bw=1600e9 / 8 / 2, launch_s=0.0, graph_node_s=0.0,
         source="cloud.google.com/tpu/docs/v5e (197 TFLOPS bf16, 16 GiB HBM2 at 819 GB/s, "
                "ICI 1,600 Gbps per chip)"),
     "v5p": dict(
         name="TPU v5p", bf16_flops=459e12, hbm_bw=2765e9, hbm_bytes=95 * 2**30,
-        link_bw=4800e9 / 8 / 2, launch_s=0.0,
+        link_bw=4800e9 / 8 / 2, launch_s=0.0, graph_node_s=0.0,
         source="cloud.google.com/tpu/docs/v5p (459 TFLOPS bf16, 95 GiB HBM2e at 2,765 "
                "GB/s, ICI 4,800 Gbps per chip)"),
     "v6e": dict(
         name="TPU v6e (Trillium)", bf16_flops=918e12, hbm_bw=1640e9, hbm_bytes=32 * 2**30,
-        link_bw=3584e9 / 8 / 2, launch_s=0.0,
+        link_bw=3584e9 / 8 / 2, launch_s=0.0, graph_node_s=0.0,
         source="cloud.google.com/tpu/docs/v6e (918 TFLOPS bf16, 32 GiB HBM at 1,640 GB/s, "
                "ICI 3,584 Gbps per chip)"),
 }
@@ -258,7 +261,15 @@ _NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", 
               "conditional", "call", "after-all", "partition-id", "replica-id",
               "opt-barrier", "add-dependency", "async-done", "async-update", "copy-done",
               "send-done", "recv-done", "domain", "get-dimension-size", "iota"}
+# XLA:GPU records runs of fusions and library calls into command buffers (CUDA graphs)
+# after the HLO, on its thunks (`xla_gpu_enable_command_buffer`, default FUSION, CUBLAS,
+# CUBLASLT, CUSTOM_CALL, CUDNN; `xla_gpu_graph_min_graph_size`, default 5). Loops,
+# conditionals and collectives stay outside them unless those flags say otherwise.
+_CAPTURABLE = {"fusion", "custom-call"}
+GRAPH_MIN_KERNELS = 5
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_OPERAND = re.compile(r"%([\w.\-]+)")
 _OPCODE = re.compile(r"(?<![\w.\-%])([a-z][a-z0-9\-]*)\(")
 _CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|"
                      r"false_computation)=%?([\w.\-]+)")
@@ -266,6 +277,9 @@ _CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|"
                     r"f16|f32|f64|c64|c128)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|"
+                    r"f16|f32|f64|c64|c128)\[([\d,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _ITEM_BYTES = {"pred": 1, "s4": 0.5, "s8": 1, "s16": 2, "s32": 4, "s64": 8, "u4": 0.5,
                "u8": 1, "u16": 2, "u32": 4, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1,
                "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16}
@@ -277,6 +291,8 @@ class Instruction:
   result: str  # the result type text
   called: list[str]  # computations it calls (bodies, branches, fusions, reducers, ...)
   text: str
+  name: str = ""
+  operands: list[str] = dataclasses.field(default_factory=list)  # operand names
 
   @property
   def result_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -292,6 +308,17 @@ class Instruction:
   def result_bytes(self) -> int:
     return int(sum(math.prod(dims) * _ITEM_BYTES[dtype]
                    for dtype, dims in self.result_shapes))
+
+  @property
+  def arrays(self) -> list[tuple[int, int]]:
+    """(bytes, memory space) of every array in the result type, in order; space 0 is
+    device memory (HBM), others on-chip (TPU VMEM is S(1))."""
+    out = []
+    for dtype, dims, layout in _ARRAY.findall(self.result):
+      space = _MEMORY_SPACE.search(layout)
+      out.append((int(math.prod(int(d) for d in dims.split(",") if d) * _ITEM_BYTES[dtype]),
+                  int(space.group(1)) if space else 0))
+    return out
 
   @property
   def trip_count(self) -> int | None:
@@ -320,6 +347,16 @@ class HloModule:
     return seen
 
 
+def _balanced(text: str, start: int) -> str:
+  """The text inside the parentheses that open at `start`."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth == 0:
+      return text[start + 1:i]
+  return text[start + 1:]
+
+
 def parse_hlo(text: str) -> HloModule:
   """The computations of an HLO module's text and their instructions."""
   computations: dict[str, list[Instruction]] = {}
@@ -346,7 +383,9 @@ def parse_hlo(text: str) -> HloModule:
     for names in _CALLED_LIST.findall(rest):
       called.extend(n.strip().lstrip("%") for n in names.split(",") if n.strip())
     computations[current].append(
-        Instruction(opcode.group(1), rest[:opcode.start()].strip(), called, rest))
+        Instruction(opcode.group(1), rest[:opcode.start()].strip(), called, rest,
+                    name=_NAME.match(line).group(1),
+                    operands=_OPERAND.findall(_balanced(rest, opcode.end() - 1))))
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
   return HloModule(computations, entry)
@@ -394,13 +433,33 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
   def kernels(names) -> int:
     return sum(launches(ins) for name in names for ins in module.computations[name])
 
+  def host_launches(names) -> tuple[int, int]:
+    """(launches the host issues, kernels inside command buffers) under XLA's default
+    command buffers: a run of at least GRAPH_MIN_KERNELS capturable kernels is one
+    launch, every other kernel one."""
+    total, graphed = 0, 0
+    for name in names:
+      run = 0
+      for ins in module.computations[name] + [None]:
+        if ins is not None and not launches(ins):
+          continue
+        if ins is not None and ins.opcode in _CAPTURABLE and not collective_kind(module, ins):
+          run += 1
+          continue
+        if run >= GRAPH_MIN_KERNELS:
+          total, graphed = total + 1, graphed + run
+        else:
+          total += run
+        total += ins is not None
+        run = 0
+    return total, graphed
+
   weight_gathers = [
       {"shapes": [list(dims) for _, dims in ins.result_shapes if dims in weight_shapes],
        "in_loop": name in in_loop}
       for name in sorted(in_loop | outside) for ins in module.computations[name]
       if collective_kind(module, ins) == "all-gather"
       and any(dims in weight_shapes for _, dims in ins.result_shapes)]
-  graphed = {n for n in in_loop if "command_buffer" in n}
   return {
       "collectives": collectives(outside),
       "collectives_in_loop": collectives(in_loop),
@@ -408,19 +467,144 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
       "loop_trip_counts": [ins.trip_count for ins in loops],
       "kernels_outside_loop": kernels(outside),
       "kernels_per_iteration": kernels(in_loop),
-      "kernels_per_iteration_graphed": kernels(graphed),
-      "loop_is_command_buffer": bool(graphed),
+      "launches_outside_loop": host_launches(outside)[0],
+      "graphed_kernels_outside_loop": host_launches(outside)[1],
+      "launches_per_iteration": host_launches(in_loop)[0],
+      "graphed_kernels_per_iteration": host_launches(in_loop)[1],
       "weight_all_gathers": weight_gathers,
   }
 
 
-def roofline_s(flops: float, bytes_accessed: float, kernels: int, peaks: Mapping,
-               graphed: bool) -> dict:
-  """max(flops / peak, bytes / bandwidth), plus kernels x launch cost on a GPU whose
-  loop is not a CUDA graph."""
+# Ops that read only part of their first operand, and ops that update it in place.
+_PARTIAL_READ = {"gather", "dynamic-slice", "slice"}
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> operand holding the update
+# opcode -> the destination among its result arrays (the other one is the source)
+_PREFETCH = {"copy-start": 0, "slice-start": 1}
+_SAME_BUFFER = {"bitcast", "reshape"}
+
+
+def _hbm(arrays: list[tuple[int, int]]) -> int:
+  return sum(n for n, space in arrays if space == 0)
+
+
+class _Traffic:
+  """Device-memory bytes of each kernel of an optimized HLO module."""
+
+  def __init__(self, module: HloModule, computation: str):
+    self.module = module
+    self.by_name = {ins.name: ins for ins in module.computations[computation]}
+
+  def operand(self, name: str) -> int:
+    ins = self.by_name.get(name)
+    return _hbm(ins.arrays) if ins else 0
+
+  def fused_param_reads(self, computation: str) -> dict[int, int]:
+    """Parameter index -> bytes read, for parameters that the fused computation only
+    slices or gathers from (the rows it takes), or only updates in place (nothing)."""
+    body = self.module.computations.get(computation, [])
+    index = {ins.name: int(re.search(r"parameter\((\d+)\)", ins.text).group(1))
+             for ins in body if ins.opcode == "parameter"}
+    users: dict[str, list[Instruction]] = {}
+    for ins in body:
+      for op in ins.operands:
+        users.setdefault(op, []).append(ins)
+
+    def reads(name: str) -> int | None:
+      total = 0
+      for user in users.get(name, []):
+        if user.opcode in _SAME_BUFFER:
+          inner = reads(user.name)
+          if inner is None:
+            return None
+          total += inner
+        elif user.opcode in _PARTIAL_READ and user.operands[0] == name:
+          total += _hbm(user.arrays) or sum(n for n, _ in user.arrays)
+        elif user.opcode in _IN_PLACE and user.operands[0] == name:
+          continue
+        else:
+          return None
+      return total
+
+    out = {}
+    for name, i in index.items():
+      partial = reads(name)
+      if partial is not None:
+        out[i] = partial
+    return out
+
+  def fused_writes(self, computation: str, result: Instruction) -> int:
+    """Bytes a fusion writes: its result arrays, except those that a dynamic-update-slice
+    or scatter updates in place (their update only)."""
+    body = self.module.computations.get(computation, [])
+    root = next((ins for ins in body if ins.text.lstrip().startswith("ROOT")
+                 or ins is body[-1]), None)
+    roots = [root] if root is not None else []
+    by_name = {ins.name: ins for ins in body}
+    if root is not None and root.opcode == "tuple":
+      roots = [by_name.get(op) for op in root.operands]
+    total = 0
+    arrays = result.arrays
+    for k, ins in enumerate(roots):
+      while ins is not None and ins.opcode in _SAME_BUFFER:
+        ins = by_name.get(ins.operands[0])
+      size, space = arrays[k] if k < len(arrays) else (0, 0)
+      if space != 0:
+        continue
+      if ins is not None and ins.opcode in _IN_PLACE:
+        update = by_name.get(ins.operands[_IN_PLACE[ins.opcode]])
+        total += sum(n for n, _ in update.arrays) if update else size
+      else:
+        total += size
+    return total
+
+  def kernel(self, ins: Instruction) -> int:
+    """Bytes one top-level instruction moves to or from device memory."""
+    if ins.opcode in _NO_KERNEL or ins.opcode.endswith("-done"):
+      return 0
+    if ins.opcode in _PREFETCH:  # an async copy between memories: each HBM side once
+      arrays = ins.arrays
+      size, space = arrays[min(_PREFETCH[ins.opcode], len(arrays) - 1)]
+      source_space = arrays[1 - _PREFETCH[ins.opcode]][1] if len(arrays) > 1 else 0
+      return size * ((space == 0) + (source_space == 0))
+    if ins.opcode == "fusion" and ins.called:
+      partial = self.fused_param_reads(ins.called[0])
+      reads = sum(min(partial.get(i, self.operand(op)), self.operand(op))
+                  for i, op in enumerate(ins.operands))
+      return reads + self.fused_writes(ins.called[0], ins)
+    if ins.opcode in _PARTIAL_READ:
+      return 2 * _hbm(ins.arrays)
+    if ins.opcode in _IN_PLACE:
+      return 2 * self.operand(ins.operands[_IN_PLACE[ins.opcode]])
+    results = ins.arrays
+    if ins.opcode.endswith("-start") and len(results) > 1:
+      results = results[len(results) // 2:]
+    return sum(self.operand(op) for op in ins.operands) + _hbm(results)
+
+
+def hbm_bytes(text: str) -> int:
+  """Bytes the program moves to and from device memory, counted kernel by kernel over
+  its optimized HLO (loop bodies once, as XLA's counter does). Where XLA's generic
+  counter, which the roofline would otherwise use, counts what no kernel moves:
+  - a gather or slice inside a fusion counts the rows it takes, not its whole operand
+    (an embedding lookup is not a read of the table);
+  - a dynamic-update-slice or scatter in place counts its update, not the whole buffer
+    read and written back (a cache write);
+  - TPU: a weight prefetched into on-chip memory (`copy-start` / `slice-start` to S(1))
+    counts once, as the read from HBM it is, and kernels reading it there count nothing;
+    XLA's counter counts it up to five times and a sliced prefetch its whole operand."""
+  module = parse_hlo(text)
+  return sum(_Traffic(module, name).kernel(ins) for name in module.control(module.entry)
+             for ins in module.computations[name])
+
+
+def roofline_s(flops: float, bytes_accessed: float, launches: int, graphed_kernels: int,
+               peaks: Mapping) -> dict:
+  """max(flops / peak, bytes / bandwidth), plus on a GPU the launch overhead: each host
+  launch (a kernel, or a command buffer holding many) costs launch_s, and each kernel
+  inside a command buffer graph_node_s."""
   compute = flops / peaks["bf16_flops"]
   memory = bytes_accessed / peaks["hbm_bw"]
-  launches = 0.0 if graphed else kernels * peaks["launch_s"]
-  return {"compute_s": compute, "memory_s": memory, "launch_s": launches,
+  launch = launches * peaks["launch_s"] + graphed_kernels * peaks["graph_node_s"]
+  return {"compute_s": compute, "memory_s": memory, "launch_s": launch,
           "bound": "compute" if compute > memory else "memory",
-          "roofline_s": max(compute, memory) + launches}
+          "roofline_s": max(compute, memory) + launch}

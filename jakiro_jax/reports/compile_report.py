@@ -180,24 +180,31 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None) -
     return row
   peaks = platform.peaks
   memory = aot.memory_of(compiled)
-  hlo = aot.analyze_hlo(compiled.as_text(), program.weight_shapes())
+  text = compiled.as_text()
+  hlo = aot.analyze_hlo(text, program.weight_shapes())
   cost = aot.cost_of(compiled)
+  moved = aot.hbm_bytes(text)
   looped = program.name in GENERATION_LOOPS
   if looped:  # per step of the generation loop
-    kernels, graphed = hlo["kernels_per_iteration"], hlo["loop_is_command_buffer"]
+    trips, outside = 1, 0
   else:  # one step; an inner loop (a drafter's levels) runs its trip count
-    trips = max((t or 1 for t in hlo["loop_trip_counts"]), default=1)
-    kernels, graphed = hlo["kernels_outside_loop"] + hlo["kernels_per_iteration"] * trips, False
+    trips, outside = max((t or 1 for t in hlo["loop_trip_counts"]), default=1), 1
+  kernels = outside * hlo["kernels_outside_loop"] + trips * hlo["kernels_per_iteration"]
+  launches = outside * hlo["launches_outside_loop"] + trips * hlo["launches_per_iteration"]
+  graphed = (outside * hlo["graphed_kernels_outside_loop"]
+             + trips * hlo["graphed_kernels_per_iteration"])
   row.update(
       status="fits" if memory["peak"] <= peaks["hbm_bytes"] else "does not fit",
       compile_s=time.perf_counter() - started, memory=memory,
       hbm_bytes=peaks["hbm_bytes"], over_bytes=max(0, memory["peak"] - peaks["hbm_bytes"]),
-      flops=cost["flops"], bytes=cost["bytes"], hlo=hlo,
+      flops=cost["flops"], bytes=cost["bytes"], bytes_moved=moved,
+      bytes_floor=program.floor_bytes(), hlo=hlo,
       kernels_per_step=kernels if platform.is_gpu else None,
-      roofline=aot.roofline_s(cost["flops"], cost["bytes"],
-                              kernels if platform.is_gpu else 0, peaks, graphed))
+      launches_per_step=launches if platform.is_gpu else None,
+      roofline=aot.roofline_s(cost["flops"], moved, launches if platform.is_gpu else 0,
+                              graphed if platform.is_gpu else 0, peaks))
   if looped:
-    row["roofline"]["note"] = "loop: flops/bytes count the prefill and one loop body"
+    row["roofline"]["note"] = "loop: flops and bytes count the prefill and one loop body"
   return row
 
 
@@ -308,29 +315,39 @@ def markdown(report: Mapping) -> str:
       f"{report['versions']['jax']}.",
       f"Peaks: {peaks['bf16_flops'] / 1e12:.0f} TFLOP/s bf16, "
       f"{peaks['hbm_bw'] / 1e9:.0f} GB/s HBM, {_gib(peaks['hbm_bytes'])} GiB HBM"
-      + (f", {peaks['launch_s'] * 1e6:.0f} us per kernel launch" if peaks["launch_s"] else "")
+      + (f", {peaks['launch_s'] * 1e6:.0f} us per host launch, "
+         f"{peaks['graph_node_s'] * 1e6:.0f} us per kernel in a command buffer"
+         if peaks["launch_s"] else "")
       + f" ({peaks['source']}).",
       "",
-      "| program | fits | peak GiB / device | args | temp | GFLOP | GB accessed | "
-      "roofline ms | bound | collectives (outside loop) | in loop body | kernels / step |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "GB moved: device-memory bytes counted kernel by kernel from the optimized HLO "
+      "(the roofline uses it); XLA counter: XLA's own count, which counts gathered "
+      "tables whole, in-place updates as whole buffers and, on TPUs, weights prefetched "
+      "on chip up to five times; floor: every argument read once, embedding tables not "
+      "(the hand count). Launches: host launches per step under XLA's default command "
+      "buffers.",
+      "",
+      "| program | fits | peak GiB / device | args | temp | GFLOP | GB moved | XLA counter "
+      "| floor | roofline ms | bound | collectives (outside loop) | in loop body | "
+      "kernels / step | launches / step |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in report["rows"]:
     if "memory" not in r:
       lines.append(f"| {r['key']} | {r['status']}: {r.get('error', '')} "
                    f"{'' if not r.get('over_bytes') else _gib(r['over_bytes']) + ' GiB over'}"
-                   f" |||||||||||")
+                   f" ||||||||||||||")
       continue
     m, h, roof = r["memory"], r["hlo"], r["roofline"]
-    kernels = r.get("kernels_per_step")
-    if kernels is not None and h.get("loop_is_command_buffer"):
-      kernels = f"{kernels} (graph)"
+    kernels, launches = r.get("kernels_per_step"), r.get("launches_per_step")
     lines.append(
         f"| {r['key']} | {'yes' if r['status'] == 'fits' else 'NO, ' + _gib(r['over_bytes']) + ' GiB over'} "
         f"| {_gib(m['peak'])} | {_gib(m['arguments'])} | {_gib(m['temporaries'])} "
-        f"| {r['flops'] / 1e9:.1f} | {r['bytes'] / 1e9:.2f} | {roof['roofline_s'] * 1e3:.3f} "
+        f"| {r['flops'] / 1e9:.1f} | {r['bytes_moved'] / 1e9:.2f} | {r['bytes'] / 1e9:.2f} "
+        f"| {r['bytes_floor'] / 1e9:.2f} | {roof['roofline_s'] * 1e3:.3f} "
         f"| {roof['bound']} | {_collectives(h['collectives'])} "
-        f"| {_collectives(h['collectives_in_loop'])} | {'-' if kernels is None else kernels} |")
+        f"| {_collectives(h['collectives_in_loop'])} | {'-' if kernels is None else kernels} "
+        f"| {'-' if launches is None else launches} |")
   # Training under FSDP gathers its weights by design; elsewhere a whole weight
   # gathered is a sharding the partitioner chose instead of partial sums.
   gathers = {}

@@ -34,6 +34,7 @@ from jakiro_jax.speculative import autoregressive as ar
 from jakiro_jax.speculative import generate as spec
 from jakiro_jax.speculative.round_timing import decode_forward
 from jakiro_jax.speculative.sampling import SamplingConfig
+from jakiro_jax.speculative.tree import VOCAB_BLOCKS, vocab_blocks
 
 STOP_IDS = (2,)  # any id: stop tokens only change a comparison
 
@@ -48,7 +49,21 @@ class Program:
   weights: Any = None  # abstract weights, target's and draft's (shapes tell weight gathers)
 
   def lower(self):
-    return self.fn.lower(*self.args)
+    # As the program traces on the accelerator it is compiled for.
+    with vocab_blocks(VOCAB_BLOCKS):
+      return self.fn.lower(*self.args)
+
+  def floor_bytes(self) -> int:
+    """The hand count: bytes per device of every argument read once (weights, caches,
+    inputs), less the embedding tables, of which a lookup reads only its rows. A
+    forward over a few tokens cannot move less."""
+    total = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(self.args):
+      if "embed_tokens" in jax.tree_util.keystr(path):
+        continue
+      shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+      total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
 
   def weight_shapes(self) -> set[tuple[int, ...]]:
     if self.weights is None:

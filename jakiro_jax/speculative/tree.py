@@ -13,7 +13,10 @@ parent always has, so every kept node's parent is kept.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import math
 from typing import Callable
 
 import flax.struct
@@ -111,9 +114,50 @@ class Frontier:
   parent_row: jax.Array  # [B, K] row of each node's parent in the previous frontier
 
 
+# On an accelerator the vocabulary is ranked in this many blocks first, then their k best
+# merged: with a vocab-sharded lm_head each device ranks its own block and only blocks x k
+# candidates cross devices (one top-k over the whole vocabulary gathered the logits and
+# sorted all of them on a TPU). On a CPU one top-k is faster (0.9 vs 1.3 ms for
+# [1, 10, 49152]).
+VOCAB_BLOCKS = 8
+_vocab_blocks: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "vocab_blocks", default=None)
+
+
+@contextlib.contextmanager
+def vocab_blocks(blocks: int):
+  """Traces under this context rank the vocabulary in `blocks` blocks (compiling for a
+  device this process does not have: the compile report)."""
+  token = _vocab_blocks.set(blocks)
+  try:
+    yield
+  finally:
+    _vocab_blocks.reset(token)
+
+
+def _blocks_here() -> int:
+  chosen = _vocab_blocks.get()
+  if chosen is not None:
+    return chosen
+  return 1 if jax.default_backend() == "cpu" else VOCAB_BLOCKS
+
+
 def topk_level(logp: jax.Array, k: int):
-  """Per-row top-k: `[..., V]` log-probs -> (scores, tokens) `[..., k]`."""
-  scores, tokens = jax.lax.top_k(logp, k)
+  """Per-row top-k: `[..., V]` log-probs -> (scores, tokens) `[..., k]`, exactly
+  `lax.top_k` (ties to the lower token id), ranked block by block then merged."""
+  vocab = logp.shape[-1]
+  blocks = math.gcd(vocab, _blocks_here())
+  if blocks == 1 or vocab // blocks < k:
+    scores, tokens = jax.lax.top_k(logp, k)
+    return scores, tokens.astype(jnp.int32)
+  width = vocab // blocks
+  block_scores, block_tokens = jax.lax.top_k(
+      logp.reshape(logp.shape[:-1] + (blocks, width)), k)  # [..., blocks, k]
+  block_tokens = block_tokens + (jnp.arange(blocks, dtype=block_tokens.dtype) * width)[:, None]
+  flat = logp.shape[:-1] + (blocks * k,)
+  # Equal scores keep block order, and within a block token order: lower ids first.
+  scores, pick = jax.lax.top_k(block_scores.reshape(flat), k)
+  tokens = jnp.take_along_axis(block_tokens.reshape(flat), pick, axis=-1)
   return scores, tokens.astype(jnp.int32)
 
 
