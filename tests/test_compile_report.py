@@ -289,3 +289,37 @@ def test_report_command_writes_and_resumes(tmp_path):
   (row,) = cr.run_report(big, str(tmp_path / "big"), progress=lines.append)["rows"]
   assert row["status"] == "does not fit"
   assert "does not fit" in lines[-1] and "GiB over" in lines[-1]
+
+
+def test_device_memory_count_follows_nested_fusions():
+  """A layer's slice of the stacked cache taken inside a nested fusion counts the slice;
+  a weight passed whole through a nested fusion counts whole."""
+  text = """HloModule m
+
+%slice_layer (stack: bf16[4,100,64]) -> bf16[100,64] {
+  %stack = bf16[4,100,64]{2,1,0} parameter(0)
+  %one = bf16[1,100,64]{2,1,0} slice(%stack), slice={[1:2], [0:100], [0:64]}
+  ROOT %b = bf16[100,64]{1,0} bitcast(%one)
+}
+
+%pass (w: bf16[64,64]) -> bf16[64,64] {
+  %w = bf16[64,64]{1,0} parameter(0)
+  ROOT %b = bf16[64,64]{1,0} bitcast(%w)
+}
+
+%attend (stack: bf16[4,100,64], w: bf16[64,64]) -> bf16[100,64] {
+  %stack = bf16[4,100,64]{2,1,0} parameter(0)
+  %w = bf16[64,64]{1,0} parameter(1)
+  %layer = bf16[100,64]{1,0} fusion(%stack), kind=kLoop, calls=%slice_layer
+  %whole = bf16[64,64]{1,0} fusion(%w), kind=kLoop, calls=%pass
+  ROOT %dot = bf16[100,64]{1,0} dot(%layer, %whole), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (stack: bf16[4,100,64], w: bf16[64,64]) -> bf16[100,64] {
+  %stack = bf16[4,100,64]{2,1,0} parameter(0)
+  %w = bf16[64,64]{1,0} parameter(1)
+  ROOT %a = bf16[100,64]{1,0} fusion(%stack, %w), kind=kOutput, calls=%attend
+}
+"""
+  layer, weight = 100 * 64 * 2, 64 * 64 * 2
+  assert aot.hbm_bytes(text) == layer + weight + layer  # one layer in, the weight, out

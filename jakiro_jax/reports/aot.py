@@ -510,8 +510,10 @@ class _Traffic:
         users.setdefault(op, []).append(ins)
 
     def reads(name: str) -> int | None:
+      if not users.get(name):  # the fusion's result: read whole
+        return None
       total = 0
-      for user in users.get(name, []):
+      for user in users[name]:
         if user.opcode in _SAME_BUFFER:
           inner = reads(user.name)
           if inner is None:
@@ -521,6 +523,12 @@ class _Traffic:
           total += _hbm(user.arrays) or sum(n for n, _ in user.arrays)
         elif user.opcode in _IN_PLACE and user.operands[0] == name:
           continue
+        elif user.opcode == "fusion" and user.called:  # a nested fusion that slices it
+          inner = [self.fused_param_reads(user.called[0]).get(j)
+                   for j, op in enumerate(user.operands) if op == name]
+          if None in inner:
+            return None
+          total += sum(inner)
         else:
           return None
       return total

@@ -162,8 +162,10 @@ def _over_hbm_from_error(text: str) -> int | None:
   return None
 
 
-def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None) -> dict:
-  """One program's compiled figures (or its error, in one line)."""
+def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
+                hlo_path: str | None = None) -> dict:
+  """One program's compiled figures (or its error, in one line); `hlo_path` keeps the
+  optimized HLO the figures were read from."""
   started = time.perf_counter()
   program = job.build()
   row = {"key": job.key, "kind": job.kind, "program": program.name, **program.info}
@@ -181,6 +183,9 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None) -
   peaks = platform.peaks
   memory = aot.memory_of(compiled)
   text = compiled.as_text()
+  if hlo_path:
+    with open(hlo_path, "w") as f:
+      f.write(text)
   hlo = aot.analyze_hlo(text, program.weight_shapes())
   cost = aot.cost_of(compiled)
   moved = aot.hbm_bytes(text)
@@ -231,9 +236,11 @@ def projections(rows: Sequence[Mapping], tau: Mapping | None = None) -> list[dic
 
 def run_report(settings: ReportSettings, out_dir: str,
                progress: Callable[[str], None] = print, tau: Mapping | None = None) -> dict:
-  """Compiles every program of `settings` and writes OUT/report.json and report.md;
-  rows already in OUT/rows (same settings) are kept, so a rerun continues."""
+  """Compiles every program of `settings` and writes OUT/report.json and report.md (and
+  each program's optimized HLO in OUT/hlo); rows already in OUT/rows (same settings) are
+  kept, so a rerun continues."""
   os.makedirs(os.path.join(out_dir, "rows"), exist_ok=True)
+  os.makedirs(os.path.join(out_dir, "hlo"), exist_ok=True)
   log_path = os.path.join(out_dir, "compiler.log")
   name, hf = preset_or_file(settings.target)
   config = config_from_hf(hf, settings.dtype)
@@ -244,7 +251,8 @@ def run_report(settings: ReportSettings, out_dir: str,
   rows = []
   started = time.perf_counter()
   for i, job in enumerate(all_jobs, 1):
-    path = os.path.join(out_dir, "rows", re.sub(r"[^\w.-]+", "_", f"{job.key}") + ".json")
+    stem = re.sub(r"[^\w.-]+", "_", f"{job.key}")
+    path = os.path.join(out_dir, "rows", stem + ".json")
     if os.path.exists(path):
       with open(path) as f:
         saved = json.load(f)
@@ -253,7 +261,7 @@ def run_report(settings: ReportSettings, out_dir: str,
         progress(f"[{i}/{len(all_jobs)}] {job.key}: kept from an earlier run")
         continue
     progress(f"[{i}/{len(all_jobs)}] {job.key}: compiling for {platform.label} ...")
-    row = compile_row(job, platform, log_path)
+    row = compile_row(job, platform, log_path, os.path.join(out_dir, "hlo", stem + ".txt"))
     row["settings_key"] = fingerprint
     atomic_dir.write_json(path, row)
     rows.append(row)
