@@ -6,8 +6,9 @@
       --programs=ar_step,round --methods=eagle2,gumiho
 
 Writes DIR/report.json and DIR/report.md (`jakiro_jax/reports/compile_report.py`):
-memory per device against HBM, flops, bytes, collectives, kernels, roofline, and the
-projections a round's cost implies. Rows are kept in DIR/rows as they compile: run the
+memory per device against HBM, flops, bytes (counted kernel by kernel, beside XLA's
+counter and the hand count), collectives, kernels and launches, roofline, and the
+projections a round's cost implies; each program's optimized HLO goes to DIR/hlo. Rows are kept in DIR/rows as they compile: run the
 same command again to continue an interrupted report. Needs `pip install -e ".[aot]"`.
 """
 

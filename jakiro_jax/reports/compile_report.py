@@ -3,12 +3,14 @@
 `run_report(settings, out_dir)` compiles the programs of `programs.py` at real model
 shapes for one compile-only platform (`aot.platform`) with the project's sharding rules,
 and writes per program: memory per device against the device's HBM (fits or by how much
-not), flops, bytes accessed, collectives by kind outside and inside the loop body,
-kernels per step (GPU) and the roofline time `max(flops / peak, bytes / bandwidth)` (+
-kernels x launch cost on a GPU loop that is not a CUDA graph), every peak from
-`aot.PEAKS`. From those, labelled as projections: a round's cost in AR steps and the
-speedup a given tau (e.g. the one we measured) would give. Each program's row is written to
-`OUT/rows/` as it compiles, so an interrupted run continues where it stopped.
+not), flops, bytes three ways (moved, counted kernel by kernel by `aot.hbm_bytes`; XLA's
+own counter; the floor of every argument read once), collectives by kind outside and
+inside the loop body, kernels and host launches per step (GPU), and the roofline time
+`max(flops / peak, bytes moved / bandwidth)` (+ on a GPU the launches and the kernels
+inside command buffers at their costs), every peak from `aot.PEAKS`. From those,
+labelled as projections: a round's cost in AR steps and the speedup a given tau (e.g. the
+one we measured) would give. Each program's row is written to `OUT/rows/` as it compiles,
+so an interrupted run continues where it stopped; its optimized HLO goes to `OUT/hlo/`.
 """
 
 from __future__ import annotations
