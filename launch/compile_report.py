@@ -52,6 +52,11 @@ _TRAIN_BATCH = flags.DEFINE_integer("train_batch_per_device", 4,
                                     "Training rows per data x fsdp device.")
 _TRAIN_LEN = flags.DEFINE_integer("train_len", 2048, "Training row length.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights and caches.")
+_LAYERS = flags.DEFINE_integer("layers", None, "Compile the target with this many layers "
+                               "(a smaller program that isolates a per-layer cost).")
+_VOCAB_BLOCKS = flags.DEFINE_integer("vocab_blocks", None, "Blocks of the drafts' "
+                                     "vocabulary top-k (default: as on an accelerator; 1: "
+                                     "one top-k over the whole vocabulary).")
 
 # tau we measured (SmolLM2-135M target, shipped drafts, T = 0, pooled over the five
 # evaluation files, README "Results"; jakiro_star at T = 1, no T = 0 run): the
@@ -107,7 +112,8 @@ def main(argv):
       mesh=parse_mesh_flag(_MESH.value) if _MESH.value else None,
       train_mesh=parse_mesh_flag(_TRAIN_MESH.value) if _TRAIN_MESH.value else None,
       train_batch_per_device=_TRAIN_BATCH.value, train_len=_TRAIN_LEN.value,
-      drafts=drafts_of(_TARGET.value, _CONFIG.value))
+      drafts=drafts_of(_TARGET.value, _CONFIG.value), layers=_LAYERS.value,
+      vocab_blocks=_VOCAB_BLOCKS.value or defaults.vocab_blocks)
   for name in settings.methods or ():
     if name not in registry.names():
       raise app.UsageError(f"--methods: unknown method {name!r}; known: "

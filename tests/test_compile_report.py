@@ -283,6 +283,12 @@ def test_report_command_writes_and_resumes(tmp_path):
   lines.clear()
   cr.run_report(settings, str(tmp_path / "small"), progress=lines.append)
   assert all("kept from an earlier run" in line for line in lines)
+  # --layers: the same target with fewer layers, one layer's weights and cache less.
+  one = cr.run_report(dataclasses.replace(settings, programs=("ar_step",), layers=1),
+                      str(tmp_path / "one"), progress=lines.append)
+  assert one["config"]["num_layers"] == 1 and "(layers=1)" in one["target"]
+  two_floor = report["rows"][0]["bytes_floor"]
+  assert one["rows"][0]["bytes_floor"] < two_floor
   # A cache that cannot fit a v5e's 16 GiB: 64 rows x 4M slots, 1 KiB a slot.
   big = dataclasses.replace(settings, programs=("ar_step",), batches=(64,),
                             max_len=1 << 22)

@@ -275,8 +275,6 @@ _CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|"
                      r"false_computation)=%?([\w.\-]+)")
 _CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|"
-                    r"f16|f32|f64|c64|c128)\[([\d,]*)\]")
 _ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|"
                     r"f16|f32|f64|c64|c128)\[([\d,]*)\](\{[^}]*\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
@@ -293,13 +291,14 @@ class Instruction:
   text: str
   name: str = ""
   operands: list[str] = dataclasses.field(default_factory=list)  # operand names
+  is_root: bool = False  # its computation's result
 
   @property
   def result_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
     """(dtype, dims) of each result array; an async `-start` returns (operands, results),
     of which the results."""
     shapes = [(dtype, tuple(int(d) for d in dims.split(",") if d))
-              for dtype, dims in _SHAPE.findall(self.result)]
+              for dtype, dims, _ in _ARRAY.findall(self.result)]
     if self.opcode.endswith("-start") and len(shapes) > 1:
       shapes = shapes[len(shapes) // 2:]
     return shapes
@@ -385,7 +384,8 @@ def parse_hlo(text: str) -> HloModule:
     computations[current].append(
         Instruction(opcode.group(1), rest[:opcode.start()].strip(), called, rest,
                     name=_NAME.match(line).group(1),
-                    operands=_OPERAND.findall(_balanced(rest, opcode.end() - 1))))
+                    operands=_OPERAND.findall(_balanced(rest, opcode.end() - 1)),
+                    is_root=stripped.startswith("ROOT")))
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
   return HloModule(computations, entry)
@@ -407,10 +407,10 @@ def collective_kind(module: HloModule, ins: Instruction) -> str | None:
 
 def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) -> dict:
   """What the optimized per-device HLO does: collectives by kind (and their bytes),
-  outside and inside the entry's loop bodies; kernels launched outside the loops and
-  per loop iteration (GPU); whether a loop body runs as a command buffer (CUDA graph);
-  and all-gathers whose result has the shape of a whole weight (`weight_shapes`: the
-  unsharded parameter shapes), each marked inside a loop or not."""
+  outside and inside the entry's loop bodies; kernels and host launches (XLA's default
+  command buffers) outside the loops and per loop iteration (GPU); the bytes it moves
+  (`hbm_bytes`); and all-gathers whose result has the shape of a whole weight
+  (`weight_shapes`: the unsharded parameter shapes), each marked inside a loop or not."""
   module = parse_hlo(text)
   loops = [ins for ins in module.computations[module.entry] if ins.opcode == "while"]
   in_loop = set().union(*(module.control(c) for ins in loops for c in ins.called))
@@ -454,6 +454,8 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
         run = 0
     return total, graphed
 
+  launches_outside, graphed_outside = host_launches(outside)
+  launches_in_loop, graphed_in_loop = host_launches(in_loop)
   weight_gathers = [
       {"shapes": [list(dims) for _, dims in ins.result_shapes if dims in weight_shapes],
        "in_loop": name in in_loop}
@@ -467,10 +469,11 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
       "loop_trip_counts": [ins.trip_count for ins in loops],
       "kernels_outside_loop": kernels(outside),
       "kernels_per_iteration": kernels(in_loop),
-      "launches_outside_loop": host_launches(outside)[0],
-      "graphed_kernels_outside_loop": host_launches(outside)[1],
-      "launches_per_iteration": host_launches(in_loop)[0],
-      "graphed_kernels_per_iteration": host_launches(in_loop)[1],
+      "launches_outside_loop": launches_outside,
+      "graphed_kernels_outside_loop": graphed_outside,
+      "launches_per_iteration": launches_in_loop,
+      "graphed_kernels_per_iteration": graphed_in_loop,
+      "bytes_moved": _Traffic(module).total(),
       "weight_all_gathers": weight_gathers,
   }
 
@@ -490,20 +493,22 @@ def _hbm(arrays: list[tuple[int, int]]) -> int:
 class _Traffic:
   """Device-memory bytes of each kernel of an optimized HLO module."""
 
-  def __init__(self, module: HloModule, computation: str):
+  def __init__(self, module: HloModule):
     self.module = module
-    self.by_name = {ins.name: ins for ins in module.computations[computation]}
+    self.names = {comp: {ins.name: ins for ins in body}
+                  for comp, body in module.computations.items()}
+    self.partial: dict[str, dict[int, int]] = {}
 
-  def operand(self, name: str) -> int:
-    ins = self.by_name.get(name)
+  def operand(self, computation: str, name: str) -> int:
+    ins = self.names[computation].get(name)
     return _hbm(ins.arrays) if ins else 0
 
   def fused_param_reads(self, computation: str) -> dict[int, int]:
     """Parameter index -> bytes read, for parameters that the fused computation only
     slices or gathers from (the rows it takes), or only updates in place (nothing)."""
+    if computation in self.partial:
+      return self.partial[computation]
     body = self.module.computations.get(computation, [])
-    index = {ins.name: int(re.search(r"parameter\((\d+)\)", ins.text).group(1))
-             for ins in body if ins.opcode == "parameter"}
     users: dict[str, list[Instruction]] = {}
     for ins in body:
       for op in ins.operands:
@@ -516,57 +521,52 @@ class _Traffic:
       for user in users[name]:
         if user.opcode in _SAME_BUFFER:
           inner = reads(user.name)
-          if inner is None:
-            return None
-          total += inner
         elif user.opcode in _PARTIAL_READ and user.operands[0] == name:
-          total += _hbm(user.arrays) or sum(n for n, _ in user.arrays)
+          inner = _hbm(user.arrays) or sum(n for n, _ in user.arrays)
         elif user.opcode in _IN_PLACE and user.operands[0] == name:
-          continue
+          inner = 0
         elif user.opcode == "fusion" and user.called:  # a nested fusion that slices it
-          inner = [self.fused_param_reads(user.called[0]).get(j)
-                   for j, op in enumerate(user.operands) if op == name]
-          if None in inner:
-            return None
-          total += sum(inner)
+          nested = self.fused_param_reads(user.called[0])
+          parts = [nested.get(j) for j, op in enumerate(user.operands) if op == name]
+          inner = None if None in parts else sum(parts)
         else:
+          inner = None
+        if inner is None:
           return None
+        total += inner
       return total
 
     out = {}
-    for name, i in index.items():
-      partial = reads(name)
-      if partial is not None:
-        out[i] = partial
+    for ins in body:
+      if ins.opcode == "parameter":
+        partial = reads(ins.name)
+        if partial is not None:
+          out[int(re.search(r"parameter\((\d+)\)", ins.text).group(1))] = partial
+    self.partial[computation] = out
     return out
 
   def fused_writes(self, computation: str, result: Instruction) -> int:
     """Bytes a fusion writes: its result arrays, except those that a dynamic-update-slice
     or scatter updates in place (their update only)."""
-    body = self.module.computations.get(computation, [])
-    root = next((ins for ins in body if ins.text.lstrip().startswith("ROOT")
-                 or ins is body[-1]), None)
-    roots = [root] if root is not None else []
-    by_name = {ins.name: ins for ins in body}
+    by_name = self.names.get(computation, {})
+    root = next((ins for ins in self.module.computations.get(computation, [])
+                 if ins.is_root), None)
+    roots = [root]
     if root is not None and root.opcode == "tuple":
       roots = [by_name.get(op) for op in root.operands]
     total = 0
-    arrays = result.arrays
-    for k, ins in enumerate(roots):
+    for (size, space), ins in zip(result.arrays, roots):
       while ins is not None and ins.opcode in _SAME_BUFFER:
         ins = by_name.get(ins.operands[0])
-      size, space = arrays[k] if k < len(arrays) else (0, 0)
       if space != 0:
         continue
-      if ins is not None and ins.opcode in _IN_PLACE:
-        update = by_name.get(ins.operands[_IN_PLACE[ins.opcode]])
-        total += sum(n for n, _ in update.arrays) if update else size
-      else:
-        total += size
+      update = (by_name.get(ins.operands[_IN_PLACE[ins.opcode]])
+                if ins is not None and ins.opcode in _IN_PLACE else None)
+      total += sum(n for n, _ in update.arrays) if update else size
     return total
 
-  def kernel(self, ins: Instruction) -> int:
-    """Bytes one top-level instruction moves to or from device memory."""
+  def kernel(self, computation: str, ins: Instruction) -> int:
+    """Bytes one instruction of a control computation moves to or from device memory."""
     if ins.opcode in _NO_KERNEL or ins.opcode.endswith("-done"):
       return 0
     if ins.opcode in _PREFETCH:  # an async copy between memories: each HBM side once
@@ -576,17 +576,23 @@ class _Traffic:
       return size * ((space == 0) + (source_space == 0))
     if ins.opcode == "fusion" and ins.called:
       partial = self.fused_param_reads(ins.called[0])
-      reads = sum(min(partial.get(i, self.operand(op)), self.operand(op))
-                  for i, op in enumerate(ins.operands))
+      reads = 0
+      for i, op in enumerate(ins.operands):
+        whole = self.operand(computation, op)
+        reads += min(partial.get(i, whole), whole)
       return reads + self.fused_writes(ins.called[0], ins)
     if ins.opcode in _PARTIAL_READ:
       return 2 * _hbm(ins.arrays)
     if ins.opcode in _IN_PLACE:
-      return 2 * self.operand(ins.operands[_IN_PLACE[ins.opcode]])
+      return 2 * self.operand(computation, ins.operands[_IN_PLACE[ins.opcode]])
     results = ins.arrays
     if ins.opcode.endswith("-start") and len(results) > 1:
       results = results[len(results) // 2:]
-    return sum(self.operand(op) for op in ins.operands) + _hbm(results)
+    return sum(self.operand(computation, op) for op in ins.operands) + _hbm(results)
+
+  def total(self) -> int:
+    return sum(self.kernel(name, ins) for name in self.module.control(self.module.entry)
+               for ins in self.module.computations[name])
 
 
 def hbm_bytes(text: str) -> int:
@@ -599,10 +605,9 @@ def hbm_bytes(text: str) -> int:
     read and written back (a cache write);
   - TPU: a weight prefetched into on-chip memory (`copy-start` / `slice-start` to S(1))
     counts once, as the read from HBM it is, and kernels reading it there count nothing;
-    XLA's counter counts it up to five times and a sliced prefetch its whole operand."""
-  module = parse_hlo(text)
-  return sum(_Traffic(module, name).kernel(ins) for name in module.control(module.entry)
-             for ins in module.computations[name])
+    XLA's counter counts it up to five times and a sliced prefetch its whole operand.
+  `analyze_hlo` reports the same count as "bytes_moved"."""
+  return _Traffic(parse_hlo(text)).total()
 
 
 def roofline_s(flops: float, bytes_accessed: float, launches: int, graphed_kernels: int,

@@ -33,6 +33,7 @@ from jakiro_jax.drafts import registry  # noqa: E402
 from jakiro_jax.models.config import config_from_hf  # noqa: E402
 from jakiro_jax.models.presets import preset_or_file  # noqa: E402
 from jakiro_jax.reports import programs  # noqa: E402
+from jakiro_jax.speculative.tree import VOCAB_BLOCKS  # noqa: E402
 
 PROGRAM_KINDS = ("prefill", "ar_step", "ar_loop", "gen_data", "round", "spec_loop",
                  "train")
@@ -62,6 +63,8 @@ class ReportSettings:
   train_batch_per_device: int = 4  # the papers: 4 per GPU
   train_len: int = 2048
   drafts: Any = None  # {method: config block} (the config file's `drafts`); None: defaults
+  layers: int | None = None  # the target with this many layers (isolating a cost); None: all
+  vocab_blocks: int = VOCAB_BLOCKS  # the drafts' top-k blocks (1: one top-k, as on a CPU)
 
   def key(self) -> str:
     """What a row depends on besides its program (rows of other settings are redone)."""
@@ -165,7 +168,7 @@ def _over_hbm_from_error(text: str) -> int | None:
 
 
 def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
-                hlo_path: str | None = None) -> dict:
+                hlo_path: str | None = None, vocab_blocks: int = VOCAB_BLOCKS) -> dict:
   """One program's compiled figures (or its error, in one line); `hlo_path` keeps the
   optimized HLO the figures were read from."""
   started = time.perf_counter()
@@ -173,7 +176,7 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
   row = {"key": job.key, "kind": job.kind, "program": program.name, **program.info}
   try:
     with aot.quiet_native_stderr(log_path):
-      compiled = program.lower().compile()
+      compiled = program.lower(vocab_blocks).compile()
   except Exception as e:  # noqa: BLE001 - a compiler error is this row's result
     message = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
     row.update(status="error", error=f"{type(e).__name__}: {message}",
@@ -190,7 +193,7 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
       f.write(text)
   hlo = aot.analyze_hlo(text, program.weight_shapes())
   cost = aot.cost_of(compiled)
-  moved = aot.hbm_bytes(text)
+  moved = hlo.pop("bytes_moved")
   looped = program.name in GENERATION_LOOPS
   if looped:  # per step of the generation loop
     trips, outside = 1, 0
@@ -245,6 +248,9 @@ def run_report(settings: ReportSettings, out_dir: str,
   os.makedirs(os.path.join(out_dir, "hlo"), exist_ok=True)
   log_path = os.path.join(out_dir, "compiler.log")
   name, hf = preset_or_file(settings.target)
+  if settings.layers:
+    hf["num_hidden_layers"] = settings.layers
+    name = f"{name} (layers={settings.layers})"
   config = config_from_hf(hf, settings.dtype)
   platform = aot.platform(settings.device, settings.devices if settings.device == "h100"
                           else 1, log_path)
@@ -263,7 +269,8 @@ def run_report(settings: ReportSettings, out_dir: str,
         progress(f"[{i}/{len(all_jobs)}] {job.key}: kept from an earlier run")
         continue
     progress(f"[{i}/{len(all_jobs)}] {job.key}: compiling for {platform.label} ...")
-    row = compile_row(job, platform, log_path, os.path.join(out_dir, "hlo", stem + ".txt"))
+    row = compile_row(job, platform, log_path, os.path.join(out_dir, "hlo", stem + ".txt"),
+                      settings.vocab_blocks)
     row["settings_key"] = fingerprint
     atomic_dir.write_json(path, row)
     rows.append(row)

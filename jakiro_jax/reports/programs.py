@@ -48,22 +48,19 @@ class Program:
   info: dict  # shapes that define it (batch, tokens, cache slots, tree, ...)
   weights: Any = None  # abstract weights, target's and draft's (shapes tell weight gathers)
 
-  def lower(self):
-    # As the program traces on the accelerator it is compiled for.
-    with vocab_blocks(VOCAB_BLOCKS):
+  def lower(self, blocks: int = VOCAB_BLOCKS):
+    """Traced as on the accelerator it is compiled for (`blocks`: the drafts' top-k
+    blocks there)."""
+    with vocab_blocks(blocks):
       return self.fn.lower(*self.args)
 
   def floor_bytes(self) -> int:
     """The hand count: bytes per device of every argument read once (weights, caches,
     inputs), less the embedding tables, of which a lookup reads only its rows. A
     forward over a few tokens cannot move less."""
-    total = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(self.args):
-      if "embed_tokens" in jax.tree_util.keystr(path):
-        continue
-      shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-      total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
-    return total
+    kept = [x for path, x in jax.tree_util.tree_leaves_with_path(self.args)
+            if "embed_tokens" not in jax.tree_util.keystr(path)]
+    return max(sharding.bytes_per_device(kept, [x.sharding for x in kept]).values())
 
   def weight_shapes(self) -> set[tuple[int, ...]]:
     if self.weights is None:
