@@ -85,6 +85,24 @@ def test_ar_step_memory_and_collectives_per_layer(platform):
   assert layer_floor <= moved[3] - moved[2] <= 1.25 * layer_floor, (moved, floor)
 
 
+def test_floor_counts_a_tied_table_whole(platform):
+  """A lookup reads rows of the embedding table, but a head tied to it reads it all."""
+  mesh = tensor_mesh(platform)
+
+  def floor_and_table(tied: bool):
+    program = programs.forward_program(tiny(2).replace(tie_word_embeddings=tied), mesh,
+                                       1, 1, 256)
+    args = jax.tree.map(lambda x: x.sharding, program.args)
+    hand = max(sharding.bytes_per_device(program.args, args).values())
+    return program.floor_bytes(), hand
+
+  untied_floor, untied_hand = floor_and_table(False)
+  tied_floor, tied_hand = floor_and_table(True)
+  assert tied_floor == tied_hand  # nothing left out
+  table = untied_hand - tied_hand  # the separate lm_head, the table's size
+  assert untied_floor == untied_hand - table
+
+
 def test_generation_loops_keep_weights_sharded(platform):
   """Inside the AR loop no weight is all-gathered: the decode step reads only its own
   shards (the speculative loop: the slow test below)."""

@@ -189,3 +189,25 @@ def test_bad_configs_and_state_dicts_raise(tmp_path, tiny_pair):
     f.truncate(1000)
   with pytest.raises(ValueError, match="corrupt or truncated"):
     load_target(tmp_path / "ok")
+
+
+@pytest.mark.parametrize("dtype,want", [("float32", "HIGHEST"), ("bfloat16", "DEFAULT")])
+def test_fp32_dots_are_fp32_on_every_backend(tiny_pair, dtype, want):
+  # JAX's default would let a GPU run fp32 dots in TF32 (and a TPU in one bf16 pass): an
+  # fp32 target must not lose its own greedy output there.
+  _, target = tiny_pair
+  config = target.config.replace(dtype=dtype)
+  params = jax.tree.map(lambda p: p.astype(dtype), target.params)
+  model = llama.Llama(config)
+  cache = llama.new_cache(config, 1, 16)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  positions = jnp.arange(4)[None]
+  text = jax.jit(model.apply).lower(params, tokens, positions, cache,
+                                    causal_mask(cache.lengths, 4, 16)).as_text()
+  dots = [line for line in text.splitlines() if "dot_general" in line]
+  assert len(dots) >= 4 * config.num_layers + 1  # qkv, scores, probs x values, o, mlp, head
+  for line in dots:
+    if want == "HIGHEST":
+      assert "precision = [HIGHEST, HIGHEST]" in line, line
+    else:
+      assert "HIGHEST" not in line, line

@@ -38,6 +38,18 @@ def _weight(module: nn.Module, name: str, shape: Sequence[int],
                       tuple(shape), dtype)
 
 
+def dot_precision(*operands: jax.Array) -> jax.lax.Precision | None:
+  """`HIGHEST` when every operand is fp32, else the backend's default.
+
+  JAX's default lets an fp32 dot run in TF32 on recent GPUs and in one bf16 pass on TPUs,
+  so an fp32 target would not reproduce its own fp32 greedy output (nor transformers') on
+  those devices. On a CPU fp32 dots are fp32 either way; bf16 models are unaffected.
+  """
+  if all(o.dtype == jnp.float32 for o in operands):
+    return jax.lax.Precision.HIGHEST
+  return None
+
+
 def _matmul_out_in(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
   """Contracts the last `in_dims` axes of x with the last `in_dims` axes of w [out..., in...].
 
@@ -50,7 +62,8 @@ def _matmul_out_in(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
   lead = x.shape[:x.ndim - in_dims]
   x2 = x.reshape((-1,) + x.shape[x.ndim - in_dims:])
   contract = (tuple(range(w.ndim - in_dims, w.ndim)), tuple(range(1, in_dims + 1)))
-  y = jax.lax.dot_general(w, x2, (contract, ((), ())))  # [out..., M]
+  y = jax.lax.dot_general(w, x2, (contract, ((), ())),
+                          precision=dot_precision(w, x2))  # [out..., M]
   return jnp.moveaxis(y, -1, 0).reshape(lead + w.shape[:w.ndim - in_dims])
 
 
@@ -120,11 +133,13 @@ class Attention(nn.Module):
       key_positions = key_positions.at[rows, slots].set(positions, mode="drop")
       mask = mask & (key_positions[:, None, :] > positions[:, :, None] - window)
 
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys).astype(jnp.float32)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys,
+                        precision=dot_precision(q, keys)).astype(jnp.float32)
     scores = scores * (hd ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values,
+                     precision=dot_precision(probs, values))
     o_w = _weight(self, "o", (d, kv, g, hd), ("embed", "kv_heads", None, "head_dim"),
                   cfg.dtype)
     out = _matmul_out_in(out, o_w, in_dims=3)
@@ -220,7 +235,8 @@ class Llama(nn.Module):
       head = self.embed_tokens.embedding
     else:
       head = self.lm_head
-    return jnp.einsum("...D,VD->...V", features, head).astype(jnp.float32)
+    return jnp.einsum("...D,VD->...V", features, head,
+                      precision=dot_precision(features, head)).astype(jnp.float32)
 
 
 def init_params(config: LlamaConfig, rng: jax.Array, boxed: bool = False):

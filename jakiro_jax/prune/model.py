@@ -26,7 +26,8 @@ import numpy as np
 from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
                                      rope_inverse_frequencies)
 from jakiro_jax.models.kv_cache import causal_mask
-from jakiro_jax.models.llama import MLP, Llama, RMSNorm, _matmul_out_in, apply_rope
+from jakiro_jax.models.llama import (MLP, Llama, RMSNorm, _matmul_out_in, apply_rope,
+                                    dot_precision)
 from jakiro_jax.prune.cache import PrunedCache
 from jakiro_jax.prune.route import BlockContext, Decision, Route, fixed_route
 from jakiro_jax.prune.schedule import check_schedule
@@ -93,11 +94,14 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
   """q `[B, T, K, G, H]` over keys/values `[B, S, K, H]` with mask `[B, T, S]`.
 
   Returns (out `[B, T, K, G, H]`, probs `[B, K, G, T, S]`), the dense model's maths."""
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys).astype(jnp.float32)
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys,
+                      precision=dot_precision(q, keys)).astype(jnp.float32)
   scores = scores * (head_dim ** -0.5)
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-  return jnp.einsum("BKGTS,BSKH->BTKGH", probs, values), probs
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values,
+                   precision=dot_precision(probs, values))
+  return out, probs
 
 
 def output_projection(attn_params: Mapping[str, Any], config: LlamaConfig,

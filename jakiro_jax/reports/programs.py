@@ -56,10 +56,17 @@ class Program:
 
   def floor_bytes(self) -> int:
     """The hand count: bytes per device of every argument read once (weights, caches,
-    inputs), less the embedding tables, of which a lookup reads only its rows. A
-    forward over a few tokens cannot move less."""
-    kept = [x for path, x in jax.tree_util.tree_leaves_with_path(self.args)
-            if "embed_tokens" not in jax.tree_util.keystr(path)]
+    inputs), less the embedding tables, of which a lookup reads only its rows (a table
+    tied to the output head stays: the head reads all of it). A forward over a few
+    tokens cannot move less."""
+    leaves = [(jax.tree_util.keystr(path), x)
+              for path, x in jax.tree_util.tree_leaves_with_path(self.args)]
+    heads = {path.split("['lm_head']")[0] for path, _ in leaves if "['lm_head']" in path}
+
+    def lookup_only(path: str) -> bool:
+      return "['embed_tokens']" in path and path.split("['embed_tokens']")[0] in heads
+
+    kept = [x for path, x in leaves if not lookup_only(path)]
     return max(sharding.bytes_per_device(kept, [x.sharding for x in kept]).values())
 
   def weight_shapes(self) -> set[tuple[int, ...]]:
