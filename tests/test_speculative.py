@@ -208,3 +208,32 @@ def test_block_topk_is_exactly_lax_top_k(vocab, k):
       got = topk_level(jnp.asarray(logp), k)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.fixture(scope="module")
+def short_context_target():
+  """The tiny target with only 40 positions."""
+  return dataclasses.replace(target_from_torch(tiny_hf_model(seed=3,
+                                                             max_position_embeddings=40)),
+                             stop_ids=())
+
+
+@pytest.mark.parametrize("method", names())
+def test_prompts_up_to_the_position_limit_generate_in_every_method(short_context_target,
+                                                                   method):
+  # The tree's scratch slots are the engine's business: any prompt + max_new_tokens that
+  # fits the positions generates, and greedy equals the AR loop right up to the limit.
+  target, limit = short_context_target, 40
+  drafter, params = registered_drafter(method, target.config)
+  rng = np.random.RandomState(sum(map(ord, method)))
+  lengths = sorted(rng.randint(limit - 16, limit - 1, size=3))
+  prompts = random_prompts(rng, 97, lengths)
+  budgets = [limit - n for n in lengths]  # every row ends exactly at the limit
+  budgets[0] -= rng.randint(0, 3)
+  spec = generate(target, drafter, params, prompts, max_new_tokens=budgets)
+  assert spec.tokens == generate_ar(target, prompts, max_new_tokens=budgets).tokens
+  assert [len(t) for t in spec.tokens] == budgets
+  with pytest.raises(ValueError, match=rf"prompt length {lengths[1]} \+ max_new_tokens "
+                     rf"{budgets[1] + 1} = {limit + 1} exceeds the model's "
+                     rf"max_position_embeddings {limit}"):
+    generate(target, drafter, params, prompts[1:2], max_new_tokens=budgets[1] + 1)

@@ -549,3 +549,79 @@ def test_bad_inputs_fail_clearly(tiny_target, feature_set, tmp_path):
   config.batch_size = 0
   with pytest.raises(ValueError, match="batch_size"):
     train(config, data_dir, tmp_path / "out")
+
+
+def _damage(step_dir, kind: str) -> None:
+  """Damage a checkpoint as a preempted copy, a full disk or bad storage leaves it."""
+  import shutil
+  files = [os.path.join(d, f) for d, _, names in os.walk(step_dir) for f in names]
+  largest = max(files, key=os.path.getsize)
+  size = os.path.getsize(largest)
+  if kind == "truncated":
+    os.truncate(largest, size // 2)
+  elif kind == "deleted":
+    os.remove(largest)
+  elif kind == "random_bytes":  # the header intact, the middle rewritten
+    with open(largest, "r+b") as f:
+      f.seek(size // 3)
+      f.write(np.random.RandomState(0).bytes(max(1, size // 3)))
+  elif kind == "empty_dir":
+    for name in os.listdir(step_dir):
+      path = os.path.join(step_dir, name)
+      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+  else:
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_target, feature_set, tmp_path_factory):
+  """(config, data dir, run dir) of a whole 8-step EAGLE-2 run keeping checkpoints 4, 6, 8."""
+  target_dir, _ = tiny_target
+  data_dir, _ = feature_set
+  config = _config("configs/smollm2_135m_eagle2.py", _tiny_overrides(
+      target_dir, "eagle2", num_steps=8, save_every=2, keep_checkpoints=3,
+      tensorboard=False, vocab_subset=0))
+  out = tmp_path_factory.mktemp("whole") / "run"
+  result = train(config, data_dir, out)
+  assert sorted(os.listdir(out / "checkpoints")) == ["4", "6", "8"]
+  return config, data_dir, out, result.params
+
+
+@pytest.mark.parametrize("kind", ["truncated", "deleted", "random_bytes", "empty_dir"])
+def test_resume_sets_a_damaged_checkpoint_aside(finished_run, tmp_path, kind):
+  import shutil
+  config, data_dir, whole, reference = finished_run
+  out = tmp_path / "run"
+  shutil.copytree(whole, out)
+  _damage(out / "checkpoints" / "8", kind)
+  said = []
+  resumed = train(config, data_dir, out, resume=True, log=said.append)
+  assert said[0].startswith(f"checkpoint 8 in {out / 'checkpoints'} is damaged"), said[:2]
+  assert len(said[0].splitlines()) == 1
+  assert "resumed at step 6" in said[1]
+  assert os.path.isdir(out / "checkpoints" / "8.damaged")  # kept for a person to look at
+  assert resumed.step == 8
+  for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference)):
+    assert np.array_equal(np.asarray(got), np.asarray(want))  # as if resumed from 6
+
+
+def test_checkpoint_checksums_catch_values_that_still_decode(tmp_path):
+  from jakiro_jax.train.checkpoints import CheckpointDamaged, TrainCheckpoints
+  state = {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "step": jnp.int32(5),
+           "rng": jax.random.PRNGKey(1), "half": jnp.ones(3, jnp.bfloat16)}
+  checkpoints = TrainCheckpoints(tmp_path / "ckpt")
+  checkpoints.save(5, state, {"step": 5})
+  restored, meta = checkpoints.restore(5, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+  assert len(meta["checksums"]) == 4
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+  # One element changed on disk and still decoding reads as other values: caught.
+  meta_file = tmp_path / "ckpt" / "5" / "meta" / "metadata"
+  saved = json.loads(open(meta_file).read())
+  saved["checksums"][1] = (saved["checksums"][1] + 1) % 2**32
+  with open(meta_file, "w") as f:
+    json.dump(saved, f)
+  with pytest.raises(CheckpointDamaged, match="values differ"):
+    checkpoints.restore(5)
+  checkpoints.close()

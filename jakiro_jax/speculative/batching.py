@@ -68,11 +68,14 @@ def prepare_batch(config: LlamaConfig, prompts: Sequence[Sequence[int]],
         f"prompt length {int(lengths.max())} + max_new_tokens {int(budgets.max())}"
         + (f" + {extra_slots} draft slots" if extra_slots else "")
         + f" = {needed} exceeds max_len {max_len}")
-  if needed > config.max_position_embeddings:
+  # Positions, not slots: the draft slots past the last token are the engine's scratch
+  # (a draft node past the limit is never kept: the budget ends the row first).
+  longest = int(np.argmax(lengths + budgets))
+  if int(lengths[longest] + budgets[longest]) > config.max_position_embeddings:
     raise ValueError(
-        f"prompt length {int(lengths.max())} + max_new_tokens {int(budgets.max())} = "
-        f"{needed} exceeds the model's max_position_embeddings "
-        f"{config.max_position_embeddings}")
+        f"prompt length {int(lengths[longest])} + max_new_tokens {int(budgets[longest])} = "
+        f"{int(lengths[longest] + budgets[longest])} exceeds the model's "
+        f"max_position_embeddings {config.max_position_embeddings}")
   tokens = np.full((len(prompts), max(padded_len, 1)), pad_id, np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p

@@ -8,6 +8,11 @@ previous checkpoint or the new one, never half of one):
   meta   JSON: data position (epoch, batch in epoch), seed, rng, and the settings that
          must not change across a resume.
 `step` is the number of optimizer steps done.
+
+The meta also holds a checksum of every leaf of the state, taken on the device before the
+save and checked after a restore, so damage that still decodes (bytes changed in place) is
+caught as surely as a truncated or missing file. A resume that finds its newest checkpoint
+damaged sets it aside (`<step>.damaged`) and takes the one before (`trainer._start_state`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,36 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+DAMAGED_SUFFIX = ".damaged"
+
+
+class CheckpointDamaged(Exception):
+  """A checkpoint that restores with other values than were saved."""
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """uint32 position-weighted sum of the leaf's bits: any changed element changes it."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+  bits = jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
+  weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+  return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums(state):
+  return [_leaf_checksum(jnp.asarray(x)) for x in jax.tree.leaves(state)]
+
+
+def state_checksums(state) -> list[int]:
+  """One checksum per leaf of `state` (in tree order), whatever its sharding."""
+  return [int(c) for c in jax.device_get(_checksums(state))]
 
 
 class TrainCheckpoints:
@@ -31,16 +65,46 @@ class TrainCheckpoints:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """Steps of the complete checkpoints, newest first."""
+    return sorted(self._manager.all_steps(), reverse=True)
+
   def save(self, step: int, state, meta: dict) -> None:
+    meta = dict(meta, checksums=state_checksums(state))
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
 
   def restore(self, step: int, abstract_state=None):
     """(state, meta); `abstract_state` (ShapeDtypeStructs with shardings) fixes the tree
-    structure (optax states are namedtuples) and where the arrays go."""
+    structure (optax states are namedtuples) and where the arrays go. Raises
+    `CheckpointDamaged` where the restored values differ from the saved checksums."""
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    saved = restored.meta.get("checksums")
+    if saved is not None:
+      got = state_checksums(restored.state)
+      paths = [jax.tree_util.keystr(p) for p, _ in
+               jax.tree_util.tree_leaves_with_path(restored.state)]
+      bad = [path for path, a, b in zip(paths, saved, got) if a != b]
+      if len(saved) != len(got) or bad:
+        raise CheckpointDamaged(f"values differ from those saved in {bad[:3] or 'the tree'}")
     return restored.state, restored.meta
+
+  def set_aside(self, step: int) -> str:
+    """Renames checkpoint `step` to `<step>.damaged[.N]` (kept for a person to look at,
+    never read again) and returns the new path."""
+    source = os.path.join(self.directory, str(step))
+    target = source + DAMAGED_SUFFIX
+    n = 1
+    while os.path.exists(target):
+      target, n = f"{source}{DAMAGED_SUFFIX}.{n}", n + 1
+    if jax.process_index() == 0 and os.path.exists(source):
+      os.rename(source, target)
+    if jax.process_count() > 1:  # every process lists the steps after the rename
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"set_aside_{step}")
+    self._manager.reload()
+    return target
 
   def close(self) -> None:
     self._manager.wait_until_finished()

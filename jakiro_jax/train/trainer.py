@@ -485,21 +485,45 @@ def _initial_state(drafter, tx, seed: int) -> dict:
           "rng": step_key(seed)}
 
 
-def _start_state(run: _Run, checkpoints, resume: bool):
-  """(train state, vocab subset or None, first step): with `resume` the latest checkpoint
-  if there is one, else a fresh state at step 0. A subset the config asks for and the
-  checkpoint lacks is computed here (and saved for people)."""
+def _restore_newest(run: _Run, checkpoints, notices: list[str]):
+  """(state, subset, step) of the newest checkpoint that restores intact, or None.
+
+  A checkpoint that fails to restore or to match its checksums (a preempted copy, a full
+  disk) is reported in one line and set aside; changed settings are still an error."""
+  abstract = jax.tree.map(  # restored straight into this run's shards, whatever mesh saved it
+      lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+      run.abstract_state, run.state_sharding)
+  steps = checkpoints.all_steps()
+  for step in steps:
+    try:
+      state, subset = _restore(checkpoints, step, abstract, run.fingerprint, run.inputs.order)
+      return state, subset, step
+    except TrainInputError:
+      raise
+    except Exception as e:  # orbax and tensorstore raise many kinds on damaged files
+      reason = (str(e).strip().splitlines() or [""])[0][:200]
+      moved = checkpoints.set_aside(step)
+      notices.append(f"checkpoint {step} in {checkpoints.directory} is damaged "
+                     f"({type(e).__name__}: {reason}); set aside as {moved}")
+  if steps:
+    notices.append(f"no usable checkpoint in {checkpoints.directory} (all {len(steps)} "
+                   f"damaged, set aside): starting from step 0")
+  return None
+
+
+def _start_state(run: _Run, checkpoints, resume: bool, notices: list[str]):
+  """(train state, vocab subset or None, first step): with `resume` the newest intact
+  checkpoint if there is one, else a fresh state at step 0 (`notices` gets a line per
+  damaged checkpoint). A subset the config asks for and the checkpoint lacks is computed
+  here (and saved for people)."""
   config, inputs = run.config, run.inputs
-  start = checkpoints.latest_step() if resume else None
-  if start is None:
+  restored = _restore_newest(run, checkpoints, notices) if resume else None
+  if restored is None:
     state = jax.jit(lambda: _initial_state(inputs.drafter, run.tx, config.seed),
                     out_shardings=run.state_sharding)()
     subset, start = None, 0
-  else:  # restored straight into this run's shards, whatever mesh saved it
-    abstract = jax.tree.map(
-        lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
-        run.abstract_state, run.state_sharding)
-    state, subset = _restore(checkpoints, start, abstract, run.fingerprint, inputs.order)
+  else:
+    state, subset, start = restored
   if config.vocab_subset and subset is None:
     # Computed once per run; saved with every checkpoint (and as a json for people).
     subset = _token_subset(inputs.table, inputs.train_rows, inputs.target.config.vocab_size,
@@ -696,7 +720,8 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
                                  keep=config.keep_checkpoints)
   bar = logs = None
   try:
-    state, subset, start = _start_state(run, checkpoints, resume)
+    notices = []
+    state, subset, start = _start_state(run, checkpoints, resume, notices)
     full_head, train_head = _make_heads(run, subset)
     if run.is_writer:
       with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -711,6 +736,8 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
                dynamic_ncols=True, desc=f"train {config.method}")
     logs = _Logs(out_dir, bar, config.tensorboard, writer=run.is_writer)
     say = log or logs.line
+    for line in notices:
+      say(line)
     say(_run_line(run, subset, start))
     state, step, history, evals = _train_loop(run, steps, state, start, checkpoints, logs,
                                               say, bar)
