@@ -10,39 +10,144 @@ only after the new directory is complete, so a failed export loses nothing.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
+import socket
 import uuid
+
+from jakiro_jax.integrity import apply_umask
+
+
+MANIFEST = ".jakiro_jax_files.json"  # the files an export wrote, so --overwrite knows them
+
+
+def _our_files(out_dir: str) -> set[str]:
+  """Relative paths an earlier export listed in its manifest (none without one)."""
+  try:
+    with open(os.path.join(out_dir, MANIFEST)) as f:
+      listed = json.load(f)
+    return set(listed) if isinstance(listed, list) else set()
+  except (OSError, ValueError):
+    return set()
+
+
+def _files_under(directory: str) -> list[str]:
+  return sorted(os.path.relpath(os.path.join(root, name), directory)
+                for root, _, names in os.walk(directory) for name in names)
 
 
 def check_destination(out_dir: str | os.PathLike, overwrite: bool = False,
-                      flag: str = "overwrite=True") -> str:
+                      flag: str = "overwrite=True", force: bool = False) -> str:
   """The absolute path of `out_dir`; FileExistsError if it holds anything and not
-  `overwrite` (the message names `flag`: a CLI passes "--overwrite"), NotADirectoryError
-  if it is a file. Cheap: call it before heavy work."""
+  `overwrite` (the message names `flag`: a CLI passes "--overwrite"), or if it holds files
+  an export of ours did not write and not `force` (a user's notes are not deleted without
+  a word); NotADirectoryError if it is a file. Temporaries a killed export left beside
+  `out_dir` are cleaned first (`clean_stale`). Cheap: call it before heavy work."""
   out_dir = os.path.abspath(os.fspath(out_dir))
+  clean_stale(out_dir)
   if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
     raise NotADirectoryError(f"{out_dir} exists and is not a directory")
-  if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-    raise FileExistsError(f"{out_dir} is not empty; pass {flag} to replace it")
+  if os.path.isdir(out_dir) and os.listdir(out_dir):
+    if not overwrite:
+      raise FileExistsError(f"{out_dir} is not empty; pass {flag} to replace it")
+    foreign = [f for f in _files_under(out_dir)
+               if f != MANIFEST and f not in _our_files(out_dir)]
+    if foreign and not force:
+      force_flag = "--force" if flag.startswith("--") else "force=True"
+      shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
+                                        else "")
+      raise FileExistsError(f"{out_dir} holds files no export wrote ({shown}); "
+                            f"{flag} replaces the whole directory: add {force_flag} to "
+                            f"delete them too, or choose another directory")
   return out_dir
 
 
+def _stale_siblings(parent: str, name: str) -> list[str]:
+  """Temporary siblings of `name` left by a killed export: partial writes of a process
+  that no longer runs on this host, and previous directories of a finished swap."""
+  stale = []
+  finished = os.path.isdir(os.path.join(parent, name))
+  for entry in os.listdir(parent):
+    if entry.startswith(f".{name}.partial-"):
+      if not _owner_alive(entry[len(f".{name}.partial-"):]):
+        stale.append(entry)
+    elif entry.startswith(f".{name}.old-") and finished:
+      if not _owner_alive(entry[len(f".{name}.old-"):]):
+        stale.append(entry)
+  return stale
+
+
+def _owner_alive(tag: str) -> bool:
+  """Whether the export that named a temporary `HOST-PID-HEX` may still run: a process of
+  this host that is alive, or any other host's (it cannot be asked). Older unnamed
+  temporaries (`HEX`) are taken as dead."""
+  owner = tag.split("-")
+  if len(owner) != 3 or not owner[1].isdigit():
+    return False
+  return owner[0] != _host_tag() or _alive(int(owner[1]))
+
+
+def _host_tag() -> str:
+  """8 hex digits of this host's name (names may hold the separator)."""
+  return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _alive(pid: int) -> bool:
+  if pid == os.getpid():
+    return True
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def clean_stale(out_dir: str | os.PathLike) -> list[str]:
+  """Removes the temporary siblings a killed export left beside `out_dir`; their paths.
+
+  An export killed between its two renames leaves no `out_dir` and the previous directory
+  as `.NAME.old-*`: that one is put back first, so nothing written before is lost."""
+  out_dir = os.path.abspath(os.fspath(out_dir))
+  parent, name = os.path.split(out_dir)
+  if not os.path.isdir(parent):
+    return []
+  if not os.path.lexists(out_dir):
+    olds = sorted((e for e in os.listdir(parent) if e.startswith(f".{name}.old-")),
+                  key=lambda e: os.path.getmtime(os.path.join(parent, e)))
+    if olds and not _owner_alive(olds[-1][len(f".{name}.old-"):]):
+      os.rename(os.path.join(parent, olds[-1]), out_dir)
+  removed = []
+  for entry in _stale_siblings(parent, name):
+    path = os.path.join(parent, entry)
+    shutil.rmtree(path, ignore_errors=True)
+    removed.append(path)
+  return removed
+
+
 @contextlib.contextmanager
-def atomic_dir(out_dir: str | os.PathLike, overwrite: bool = False):
+def atomic_dir(out_dir: str | os.PathLike, overwrite: bool = False, force: bool = False):
   """Yields an empty temporary directory beside `out_dir`; on a clean exit it becomes
   `out_dir` (the old one, if any, is removed after the swap), on an error it is deleted
-  and `out_dir` is left as it was."""
-  out_dir = check_destination(out_dir, overwrite)
+  and `out_dir` is left as it was. Temporaries a killed export left beside `out_dir` are
+  removed first."""
+  out_dir = check_destination(out_dir, overwrite, force=force)
   parent, name = os.path.split(out_dir)
   os.makedirs(parent, exist_ok=True)
   # A sibling, so the final rename stays on one file system; os.mkdir honours the umask.
-  tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:12]}")
+  # Host and pid in the name tell a later export whether its writer still runs.
+  tmp = os.path.join(parent, f".{name}.partial-{_host_tag()}-{os.getpid()}-"
+                             f"{uuid.uuid4().hex[:12]}")
   os.mkdir(tmp)
   try:
     yield tmp
-    check_destination(out_dir, overwrite)  # again: something may have written meanwhile
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+      json.dump(_files_under(tmp), f, indent=1)
+    apply_umask(tmp)  # some writers create 0600 files: others on the machine read drafts
+    check_destination(out_dir, overwrite, force=force)  # again: something may have written
     _swap_in(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from jakiro_jax.integrity import check_finite
 from jakiro_jax.models import convert
 from jakiro_jax.models.config import LlamaConfig, config_from_hf, load_hf_config
 
@@ -47,11 +48,12 @@ class Target:
     return self.tokenizer.decode(ids, skip_special_tokens=True)
 
   def save_hf(self, out_dir: str | os.PathLike, overwrite: bool = False,
-              always_index: bool = False) -> None:
+              always_index: bool = False, force: bool = False) -> None:
     """Writes a HuggingFace directory (config.json, safetensors, tokenizer files), all at
-    once; a non-empty `out_dir` is refused unless `overwrite` (`convert.write_hf_dir`)."""
+    once; a non-empty `out_dir` is refused unless `overwrite`, and one holding files no
+    export wrote unless `force` too (`convert.write_hf_dir`)."""
     convert.write_hf_dir(self.config, self.params, out_dir, tokenizer=self.tokenizer,
-                         overwrite=overwrite, always_index=always_index)
+                         overwrite=overwrite, always_index=always_index, force=force)
 
 
 def _stop_ids(hf_config: Mapping[str, Any], tokenizer) -> tuple[int, ...]:
@@ -68,36 +70,42 @@ def _stop_ids(hf_config: Mapping[str, Any], tokenizer) -> tuple[int, ...]:
 
 def target_from_state_dict(hf_config: Mapping[str, Any], state: Mapping[str, np.ndarray],
                            tokenizer=None, name: str = "target",
-                           dtype: str = "float32") -> Target:
+                           dtype: str = "float32", allow_nonfinite: bool = False) -> Target:
+  """A Target from HF tensor names; a tensor holding NaN/Inf is refused by name unless
+  `allow_nonfinite`."""
+  check_finite(state, f"target {name}", allow_nonfinite)
   cfg = config_from_hf(hf_config, dtype)
   params = jax.tree.map(jax.numpy.asarray, convert.params_from_hf(cfg, state))
   return Target(cfg, params, tokenizer, name, _stop_ids(hf_config, tokenizer))
 
 
 def load_target(source: str | os.PathLike = "smollm2", dtype: str = "float32",
-                with_tokenizer: bool = True) -> Target:
-  """Loads `"smollm2"`, a HF model directory, or a `.gguf` file."""
+                with_tokenizer: bool = True, allow_nonfinite: bool = False) -> Target:
+  """Loads `"smollm2"`, a HF model directory, or a `.gguf` file. Weight files that differ
+  from the sha256 recorded beside them, and tensors holding NaN/Inf (unless
+  `allow_nonfinite`), are refused by name."""
   source = os.fspath(source)
   if source in EMBEDDED_TARGETS:
     from jakiro_jax.models.embedded import smollm2_gguf_path
-    return _load_gguf(smollm2_gguf_path(), dtype, with_tokenizer, name="smollm2")
+    return _load_gguf(smollm2_gguf_path(), dtype, with_tokenizer, "smollm2", allow_nonfinite)
   if os.path.isfile(source) and source.endswith(".gguf"):
-    return _load_gguf(source, dtype, with_tokenizer, name=os.path.basename(source))
+    return _load_gguf(source, dtype, with_tokenizer, os.path.basename(source), allow_nonfinite)
   if os.path.isdir(source):
-    return _load_hf_dir(source, dtype, with_tokenizer)
+    return _load_hf_dir(source, dtype, with_tokenizer, allow_nonfinite)
   raise FileNotFoundError(
       f"unknown target {source!r}: not an embedded name {EMBEDDED_TARGETS}, "
       f"a HuggingFace model directory, or a .gguf file")
 
 
-def _load_gguf(path, dtype, with_tokenizer, name) -> Target:
+def _load_gguf(path, dtype, with_tokenizer, name, allow_nonfinite=False) -> Target:
   from jakiro_jax.models.gguf_loader import read_gguf, tokenizer_from_gguf
   hf_config, state = read_gguf(path)
   tokenizer = tokenizer_from_gguf(path) if with_tokenizer else None
-  return target_from_state_dict(hf_config, state, tokenizer, name, dtype)
+  return target_from_state_dict(hf_config, state, tokenizer, name, dtype, allow_nonfinite)
 
 
-def _load_hf_dir(model_dir: str, dtype: str, with_tokenizer: bool) -> Target:
+def _load_hf_dir(model_dir: str, dtype: str, with_tokenizer: bool,
+                 allow_nonfinite: bool = False) -> Target:
   import json
   load_hf_config(model_dir, dtype)  # validates the config first, with a clear error
   with open(os.path.join(model_dir, "config.json")) as f:
@@ -110,7 +118,8 @@ def _load_hf_dir(model_dir: str, dtype: str, with_tokenizer: bool) -> Target:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
   return target_from_state_dict(hf_config, state, tokenizer,
-                                os.path.basename(os.path.normpath(model_dir)), dtype)
+                                os.path.basename(os.path.normpath(model_dir)), dtype,
+                                allow_nonfinite)
 
 
 def target_from_torch(model, tokenizer=None, dtype: str = "float32") -> Target:

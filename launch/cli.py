@@ -3,7 +3,8 @@ anything heavy loads.
 
 `cli.run(main)` replaces `absl.app.run(main)`: a user error (a bad flag value, a missing
 file, a config that does not fit) ends with one line `error: ...` on stderr and exit code
-2, no traceback; `--debug` shows the traceback instead.
+2, no traceback; any other failure (a bug) with one line `internal error: ...` and exit
+code 1; `--debug` shows the traceback instead. Every entry point in `launch/` uses it.
 """
 
 from __future__ import annotations
@@ -17,22 +18,43 @@ _DEBUG = flags.DEFINE_bool("debug", False, "Show the full traceback of an error.
 
 # Exceptions whose message names the user's mistake. Anything else is a bug: traceback.
 USER_ERRORS = (app.UsageError, ValueError, FileNotFoundError, NotADirectoryError,
-               IsADirectoryError, FileExistsError, PermissionError)
+               IsADirectoryError, FileExistsError, PermissionError,
+               ImportError)  # an optional dependency the chosen option needs
 
 
 def run(main) -> None:
-  """`app.run(main)` with user errors answered in one line (exit 2)."""
+  """`app.run(main)` with user errors answered in one line (exit 2) and internal failures
+  in one line (exit 1), each with a pointer to `--debug`."""
   def guarded(argv):
     try:
       return main(argv)
     except USER_ERRORS as e:
       if _DEBUG.value:
         raise
-      message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       hint = "" if isinstance(e, app.UsageError) else " (--debug shows the traceback)"
-      print(f"error: {message}{hint}", file=sys.stderr)
+      print(f"error: {_first_line(e)}{hint}", file=sys.stderr)
       sys.exit(2)
-  app.run(guarded)
+    except Exception as e:  # a bug, not the user's input
+      if _DEBUG.value:
+        raise
+      print(f"internal error: {type(e).__name__}: {_first_line(e)} (rerun with --debug for "
+            f"the traceback, and report it)", file=sys.stderr)
+      sys.exit(1)
+  app.run(guarded, flags_parser=_parse_flags)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a bad flag answered like any usage error (one line, exit 2;
+  absl's own exits 1)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {_first_line(e)} (--helpshort lists the flags)", file=sys.stderr)
+    sys.exit(2)
+
+
+def _first_line(e: BaseException) -> str:
+  return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def require_positive(**values) -> None:

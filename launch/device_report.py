@@ -35,6 +35,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from jakiro_jax.drafts import registry
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "Experiment config file (target, trees).",
@@ -245,4 +246,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("out")
-  app.run(main)
+  cli.run(main)

@@ -29,6 +29,7 @@ import sys
 from absl import app, flags
 
 from jakiro_jax.drafts import registry
+from launch import cli
 
 _DRAFT = flags.DEFINE_string("draft", None, "Our draft directory or a shipped draft name.")
 _TARGET = flags.DEFINE_string("target", "smollm2",
@@ -44,11 +45,13 @@ _WITH_EMBEDDING = flags.DEFINE_bool(
     "where the original loader needs it, e.g. Gumiho).")
 _OVERWRITE = flags.DEFINE_bool(
     "overwrite", False, "Replace a non-empty --out (removed once the new export is complete).")
+_FORCE = flags.DEFINE_bool(
+    "force", False, "With --overwrite: also delete files in --out that no export wrote.")
 
 
 def export_draft(draft: str, target_source: str, method: str, out: str, dtype: str = "fp32",
                  formats=None, with_embedding: bool = False,
-                 overwrite: bool = False) -> list[str]:
+                 overwrite: bool = False, force: bool = False) -> list[str]:
   """Loads our draft for the target and writes the reference directory; returns the paths."""
   from jakiro_jax.atomic_dir import check_destination
   from jakiro_jax.drafts.io import load_draft
@@ -57,7 +60,7 @@ def export_draft(draft: str, target_source: str, method: str, out: str, dtype: s
   from jakiro_jax.export.torch_layout import layout_of
   from jakiro_jax.target import load_target
 
-  check_destination(out, overwrite, "--overwrite")  # before the target loads
+  check_destination(out, overwrite, "--overwrite", force)  # before the target loads
   print(f"loading target {target_source} ...", file=sys.stderr)
   target = load_target(target_source, with_tokenizer=False)
   drafter, params = load_draft(draft, target)
@@ -71,21 +74,23 @@ def export_draft(draft: str, target_source: str, method: str, out: str, dtype: s
   embedding = None
   if with_embedding or layout.embedding_required:
     embedding = target.params["params"]["embed_tokens"]["embedding"]
-  paths = write_reference_dir(out, drafter, params, embedding, dtype, formats, overwrite)
+  paths = write_reference_dir(out, drafter, params, embedding, dtype, formats, overwrite,
+                              force)
   warning = draft_vocab_warning(drafter)
   if warning:
     print(f"warning: {warning}", file=sys.stderr)
   return paths
 
 
-def export_target(target_source: str, out: str, overwrite: bool = False) -> None:
+def export_target(target_source: str, out: str, overwrite: bool = False,
+                  force: bool = False) -> None:
   from jakiro_jax.atomic_dir import check_destination
   from jakiro_jax.export import write_target_hf_dir
   from jakiro_jax.target import load_target
 
-  check_destination(out, overwrite, "--overwrite")  # before the target loads
+  check_destination(out, overwrite, "--overwrite", force)  # before the target loads
   print(f"loading target {target_source} ...", file=sys.stderr)
-  write_target_hf_dir(load_target(target_source), out, overwrite)
+  write_target_hf_dir(load_target(target_source), out, overwrite, force)
 
 
 def main(argv):
@@ -93,24 +98,20 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not _FORMAT.value or not _OUT.value:
     raise app.UsageError("--format and --out are required")
-  try:
-    if _FORMAT.value == "hf":
-      if _DRAFT.value:
-        raise app.UsageError("--format=hf exports the target; drop --draft")
-      export_target(_TARGET.value, _OUT.value, _OVERWRITE.value)
-      print(f"wrote the target {_TARGET.value} to {_OUT.value}")
-      return
-    if not _DRAFT.value:
-      raise app.UsageError(f"--format={_FORMAT.value} needs --draft=DIR (or a shipped name)")
-    formats = [f for f, flag in (("bin", _BIN), ("safetensors", _SAFETENSORS)) if flag.value]
-    paths = export_draft(_DRAFT.value, _TARGET.value, _FORMAT.value, _OUT.value,
-                         _DTYPE.value, formats or None, _WITH_EMBEDDING.value,
-                         _OVERWRITE.value)
-  except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
-          ImportError) as e:
-    sys.exit(f"error: {e}")
+  if _FORMAT.value == "hf":
+    if _DRAFT.value:
+      raise app.UsageError("--format=hf exports the target; drop --draft")
+    export_target(_TARGET.value, _OUT.value, _OVERWRITE.value, _FORCE.value)
+    print(f"wrote the target {_TARGET.value} to {_OUT.value}")
+    return
+  if not _DRAFT.value:
+    raise app.UsageError(f"--format={_FORMAT.value} needs --draft=DIR (or a shipped name)")
+  formats = [f for f, flag in (("bin", _BIN), ("safetensors", _SAFETENSORS)) if flag.value]
+  paths = export_draft(_DRAFT.value, _TARGET.value, _FORMAT.value, _OUT.value,
+                       _DTYPE.value, formats or None, _WITH_EMBEDDING.value,
+                       _OVERWRITE.value, _FORCE.value)
   print("wrote " + ", ".join(paths))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

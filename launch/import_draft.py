@@ -22,6 +22,7 @@ import sys
 from absl import app, flags
 
 from jakiro_jax.drafts import registry
+from launch import cli
 
 _SRC = flags.DEFINE_string("src", None, "Directory in the original layout.")
 _FORMAT = flags.DEFINE_enum("format", None, list(registry.names()),
@@ -34,21 +35,23 @@ _DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the contex
 _TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round.")
 _OVERWRITE = flags.DEFINE_bool(
     "overwrite", False, "Replace a non-empty --out (removed once the new draft is complete).")
+_FORCE = flags.DEFINE_bool(
+    "force", False, "With --overwrite: also delete files in --out that no export wrote.")
 
 
 def import_draft(src: str, method: str, target_source: str, out: str, tree=None,
-                 overwrite: bool = False):
+                 overwrite: bool = False, force: bool = False):
   """Reads the reference directory, writes ours; returns `(drafter, params)`."""
   from jakiro_jax.atomic_dir import check_destination
   from jakiro_jax.drafts.io import save_draft
   from jakiro_jax.export import read_reference_dir
   from jakiro_jax.target import load_target
 
-  check_destination(out, overwrite, "--overwrite")  # before the target loads
+  check_destination(out, overwrite, "--overwrite", force)  # before the target loads
   print(f"loading target {target_source} ...", file=sys.stderr)
   target = load_target(target_source, with_tokenizer=False)
   drafter, params = read_reference_dir(src, method, target, tree)
-  save_draft(out, drafter, params, overwrite=overwrite)
+  save_draft(out, drafter, params, overwrite=overwrite, force=force)
   return drafter, params
 
 
@@ -63,18 +66,14 @@ def main(argv):
 
   overrides = {k: f.value for k, f in (("top_k", _TOP_K), ("depth", _DEPTH),
                                          ("total_tokens", _TOTAL)) if f.value is not None}
-  try:
-    tree = None
-    if overrides:
-      base = dataclasses.asdict(registry.get(_FORMAT.value).tree_for(None, {}))
-      tree = TreeConfig(**dict(base, **overrides))
-    drafter, _ = import_draft(_SRC.value, _FORMAT.value, _TARGET.value, _OUT.value, tree,
-                              _OVERWRITE.value)
-  except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
-          ImportError) as e:
-    sys.exit(f"error: {e}")
+  tree = None
+  if overrides:
+    base = dataclasses.asdict(registry.get(_FORMAT.value).tree_for(None, {}))
+    tree = TreeConfig(**dict(base, **overrides))
+  drafter, _ = import_draft(_SRC.value, _FORMAT.value, _TARGET.value, _OUT.value, tree,
+                            _OVERWRITE.value, _FORCE.value)
   print(f"wrote {drafter.name} draft to {_OUT.value} (tree {drafter.tree})")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

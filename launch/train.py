@@ -15,7 +15,6 @@ OUT/draft (`jakiro_jax.drafts.io.load_draft`, `launch.bench --draft=OUT/draft`).
 from __future__ import annotations
 
 import logging as std_logging
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -40,15 +39,13 @@ def main(argv):
     # ... but the trainer's own lines (run, steps, validation) are what this command shows
     std_logging.getLogger("jakiro_jax").setLevel(std_logging.INFO)
   from jakiro_jax.sharding import initialize_distributed
-  from jakiro_jax.train.trainer import TrainInputError, train
+  from jakiro_jax.train.trainer import train
 
   initialize_distributed()  # several hosts (launch/tpu_pod.py): before any other JAX call
 
-  try:
-    result = train(_CONFIG.value, _DATA.value, _OUT.value, resume=_RESUME.value,
-                   max_steps=_MAX_STEPS.value)
-  except (TrainInputError, FileNotFoundError) as e:  # the message says what to change
-    sys.exit(f"error: {e}")
+  # A TrainInputError (ValueError) says what to change: one line, exit 2 (cli.run).
+  result = train(_CONFIG.value, _DATA.value, _OUT.value, resume=_RESUME.value,
+                 max_steps=_MAX_STEPS.value)
   import jax
   if jax.process_index() == 0:  # the one that wrote the draft (several hosts)
     print(f"trained {result.step} steps; draft in {result.out_dir}/draft", flush=True)

@@ -1,4 +1,5 @@
-"""Command-line misuse ends in one line naming the problem, exit code 2, no traceback."""
+"""Command-line misuse ends in one line naming the problem, exit code 2, no traceback;
+an internal failure in one line, exit code 1, `--debug` for the traceback."""
 
 import os
 import subprocess
@@ -39,6 +40,8 @@ def error_lines(proc):
      "--max_questions must be >= 1, got 0"),
     ("launch.gen_data", ["--config=configs/smollm2_135m.py", "--prompts=nope.jsonl",
                          "--out=/tmp/x"], "--prompts: no such file nope.jsonl"),
+    ("launch.train", ["--config=configs/smollm2_135m_eagle2.py", "--data=nope",
+                      "--out={questions}.run"], "feature set directory nope does not exist"),
 ])
 def test_user_errors_are_one_line(module, args, message, tmp_path):
   questions = tmp_path / "q.jsonl"
@@ -60,3 +63,44 @@ def test_a_library_error_is_one_line_and_debug_shows_its_traceback(tmp_path):
   assert str(bad) in line and "--debug shows the traceback" in line
   proc = run("launch.generate", f"--questions={bad}", "--debug")
   assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def _entry_points() -> list[str]:
+  launch = os.path.join(REPO, "launch")
+  return sorted(name[:-3] for name in os.listdir(launch) if name.endswith(".py")
+                and '__name__ == "__main__"' in open(os.path.join(launch, name)).read())
+
+
+def test_every_command_line_follows_one_convention():
+  # Every entry point answers through cli.run: user errors exit 2, internal ones exit 1.
+  names = _entry_points()
+  assert len(names) >= 16, names
+  for name in names:
+    source = open(os.path.join(REPO, "launch", f"{name}.py")).read()
+    assert "cli.run(main)" in source and "app.run(" not in source, name
+    assert "sys.exit(" not in source, name  # no exit codes of its own
+
+
+@pytest.mark.parametrize("module", _entry_points())
+def test_every_command_line_refuses_a_bad_flag_in_one_line(module):
+  proc = subprocess.run([sys.executable, "-m", f"launch.{module}", "--no_such_flag=1"],
+                        capture_output=True, text=True, cwd=REPO, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  [line] = error_lines(proc)
+  assert "Unknown command line flag 'no_such_flag'" in line and "Traceback" not in proc.stderr
+
+
+def test_an_internal_failure_exits_1_in_one_line_pointing_to_debug():
+  script = ("from launch import cli\n"
+            "def main(argv):\n"
+            "  return {}['bug']\n"
+            "cli.run(main)\n")
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        cwd=REPO, timeout=300)
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr
+  [line] = [l for l in proc.stderr.splitlines() if l.startswith("internal error:")]
+  assert "KeyError: 'bug'" in line and "--debug" in line
+  proc = subprocess.run([sys.executable, "-c", script, "--debug"], capture_output=True,
+                        text=True, cwd=REPO, timeout=300)
+  assert proc.returncode == 1 and "Traceback" in proc.stderr

@@ -37,6 +37,10 @@ def test_load_errors(tmp_path, tiny_pair):
     load_draft(tmp_path, target)
   (tmp_path / "draft.json").write_text(json.dumps(meta))
   (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
+  with pytest.raises(ValueError, match="model.safetensors is damaged: its sha256 differs"):
+    load_draft(tmp_path, target)
+  meta.pop("sha256")  # a draft written before digests: the reader still names the file
+  (tmp_path / "draft.json").write_text(json.dumps(meta))
   with pytest.raises(ValueError, match="corrupt or missing"):
     load_draft(tmp_path, target)
 
@@ -89,3 +93,62 @@ def test_config_tree_options_apply_to_a_loaded_gumiho_draft(tmp_path, tiny_pair)
     resolve_draft(target, "gumiho", str(tmp_path), tree, options={"mlp_num": 5})
   with pytest.raises(ValueError, match="is a gumiho draft, not eagle2"):
     resolve_draft(target, "eagle2", str(tmp_path), tree)
+
+
+def test_damaged_or_nonfinite_weights_are_refused_by_name(tmp_path, tiny_pair):
+  import os
+  _, target = tiny_pair
+  drafter = make_drafter("eagle2", target.config)
+  params = drafter.init_params(jax.random.PRNGKey(0))
+  old_mask = os.umask(0o022)
+  try:
+    save_draft(tmp_path / "draft", drafter, params)
+  finally:
+    os.umask(old_mask)
+  for name in ("model.safetensors", "draft.json"):  # readable by others on the machine
+    assert os.stat(tmp_path / "draft" / name).st_mode & 0o777 == 0o644
+  # Random bytes in the middle, the header intact: caught by the digest, named.
+  weights = tmp_path / "draft" / "model.safetensors"
+  data = bytearray(weights.read_bytes())
+  data[len(data) // 2: len(data) // 2 + 64] = np.random.RandomState(0).bytes(64)
+  weights.write_bytes(bytes(data))
+  with pytest.raises(ValueError, match=f"{weights} is damaged"):
+    load_draft(tmp_path / "draft", target)
+  # Weights that are NaN as saved (a diverged run): refused by tensor unless asked.
+  leaves, treedef = jax.tree.flatten(params)
+  leaves[0] = np.full_like(np.asarray(leaves[0]), np.nan)
+  poisoned = jax.tree.unflatten(treedef, leaves)
+  save_draft(tmp_path / "nan", drafter, poisoned)
+  with pytest.raises(ValueError, match=r"tensor params/\S+ holds \d+ NaN/Inf values"):
+    load_draft(tmp_path / "nan", target)
+  _, loaded = load_draft(tmp_path / "nan", target, allow_nonfinite=True)
+  assert np.isnan(np.asarray(jax.tree.leaves(loaded)[0])).all()
+
+
+def test_exported_target_and_router_are_checked(tmp_path, tiny_pair):
+  from jakiro_jax.models.convert import SHA256, write_hf_dir
+  from jakiro_jax.prune.routers import init_router
+  from jakiro_jax.prune.train_router import load_router, save_router
+  from jakiro_jax.target import load_target
+  _, target = tiny_pair
+  write_hf_dir(target.config, target.params, tmp_path / "hf")
+  assert json.loads((tmp_path / "hf" / SHA256).read_text()).keys() == {"model.safetensors"}
+  load_target(tmp_path / "hf", with_tokenizer=False)
+  weights = tmp_path / "hf" / "model.safetensors"
+  data = bytearray(weights.read_bytes())
+  data[-100] ^= 0xFF
+  weights.write_bytes(bytes(data))
+  with pytest.raises(ValueError, match=f"{weights} is damaged"):
+    load_target(tmp_path / "hf", with_tokenizer=False)
+  nan_params = jax.tree.map(np.asarray, target.params)
+  nan_params["params"]["lm_head"] = np.full_like(nan_params["params"]["lm_head"], np.inf)
+  write_hf_dir(target.config, nan_params, tmp_path / "inf")
+  with pytest.raises(ValueError, match="tensor lm_head.weight holds .* NaN/Inf"):
+    load_target(tmp_path / "inf", with_tokenizer=False)
+  # A router's params as stored are covered by its digest.
+  save_router(str(tmp_path / "router.json"), init_router(0), [0.1] * target.config.num_layers)
+  record = json.loads((tmp_path / "router.json").read_text())
+  record["router"]["b2"] = [1.5] if isinstance(record["router"]["b2"], list) else 1.5
+  (tmp_path / "router.json").write_text(json.dumps(record))
+  with pytest.raises(ValueError, match="router file .* is damaged"):
+    load_router(str(tmp_path / "router.json"))

@@ -87,7 +87,7 @@ def test_round_trip_is_bit_identical(tmp_path, target, drafts, method, fmt):
   drafter, params = drafts[method]
   write_reference_dir(tmp_path, drafter, params, _embedding(target), formats=[fmt])
   names = os.listdir(tmp_path)
-  assert sorted(names) == sorted(["config.json",
+  assert sorted(names) == sorted([".jakiro_jax_files.json", "config.json",
                                   "pytorch_model.bin" if fmt == "bin" else "model.safetensors"])
   # mlp_num is read off the names; the tree and Gumiho's search widths are not stored.
   search = {k: v for k, v in OPTIONS.get(method, {}).items() if k != "mlp_num"}
@@ -461,8 +461,8 @@ def test_command_lines_round_trip(tmp_path, target, drafts):
   out = run("export", f"--draft={tmp_path / 'ours'}", f"--target={target_dir}",
             "--format=jakiro", f"--out={tmp_path / 'ref'}", "--bin", "--safetensors")
   assert out.returncode == 0, out.stderr
-  assert sorted(os.listdir(tmp_path / "ref")) == ["config.json", "model.safetensors",
-                                                  "pytorch_model.bin"]
+  assert sorted(os.listdir(tmp_path / "ref")) == [".jakiro_jax_files.json", "config.json",
+                                                  "model.safetensors", "pytorch_model.bin"]
   assert "warning: this draft proposes tokens from a subset of 33 of the 97" in out.stderr
   out = run("import_draft", f"--src={tmp_path / 'ref'}", "--format=gumiho",
             f"--target={target_dir}", f"--out={tmp_path / 'back'}")

@@ -74,8 +74,9 @@ def test_hf_export_twice_refused_then_replaced(tmp_path, targets):
     convert.write_hf_dir(CFG, new.params, out)
   assert _snapshot(out) == before  # the refusals wrote nothing
   write_target_hf_dir(new, out, overwrite=True)
-  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors",
-                                     "model.safetensors.index.json"]
+  assert sorted(os.listdir(out)) == [".jakiro_jax_files.json", "config.json",
+                                     "model.safetensors", "model.safetensors.index.json",
+                                     "sha256.json"]
   loaded = load_target(out, with_tokenizer=False)
   _assert_same_params(loaded.params, new.params)
   _assert_differ(loaded.params, old.params)
@@ -89,7 +90,8 @@ def test_sharded_old_model_replaced_by_a_single_file(tmp_path, targets):
   shards = [n for n in os.listdir(out) if n.startswith("model-")]
   assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()
   convert.write_hf_dir(CFG, new.params, out, overwrite=True)  # one file, no index
-  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+  assert sorted(os.listdir(out)) == [".jakiro_jax_files.json", "config.json",
+                                     "model.safetensors", "sha256.json"]
   loaded = load_target(out, with_tokenizer=False)
   _assert_same_params(loaded.params, new.params)
   # And the other way: a single file replaced by shards keeps no model.safetensors.
@@ -213,7 +215,8 @@ def test_save_draft_twice_and_failed_save(tmp_path, targets, draft, monkeypatch)
   assert _snapshot(out) == before and _leftovers(out) == []
   monkeypatch.undo()
   save_draft(out, drafter, new, overwrite=True)
-  assert sorted(os.listdir(out)) == ["draft.json", "model.safetensors"]
+  assert sorted(os.listdir(out)) == [".jakiro_jax_files.json", "draft.json",
+                                     "model.safetensors"]
   _, loaded = load_draft(out, target)
   _assert_same_params(loaded, new)
   _assert_differ(loaded, old)
@@ -228,7 +231,8 @@ def test_reference_export_over_a_bin_export_leaves_no_bin(tmp_path, targets, dra
   with pytest.raises(FileExistsError, match="is not empty"):
     write_reference_dir(out, drafter, new, formats=["safetensors"])
   written = write_reference_dir(out, drafter, new, formats=["safetensors"], overwrite=True)
-  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # the old .bin is gone
+  assert sorted(os.listdir(out)) == [".jakiro_jax_files.json", "config.json",
+                                     "model.safetensors"]  # the old .bin is gone
   assert written == [str(out / "config.json"), str(out / "model.safetensors")]
   _, loaded = read_reference_dir(out, "eagle2", target, TREE)
   _assert_same_params(loaded, new)
@@ -255,7 +259,8 @@ def test_destination_that_is_a_file(tmp_path, draft):
   assert (tmp_path / "f").read_text() == "x"
   (tmp_path / "empty").mkdir()  # an empty directory is no export: taken without overwrite
   save_draft(tmp_path / "empty", drafter, old)
-  assert sorted(os.listdir(tmp_path / "empty")) == ["draft.json", "model.safetensors"]
+  assert sorted(os.listdir(tmp_path / "empty")) == [".jakiro_jax_files.json", "draft.json",
+                                                    "model.safetensors"]
 
 
 # ---- command lines -----------------------------------------------------------------------------
@@ -281,16 +286,109 @@ def test_command_lines_refuse_a_non_empty_out_in_one_line(tmp_path, targets):
   write_target_hf_dir(old, out)
   before = _snapshot(out)
   result = _run("export", f"--target={source}", "--format=hf", f"--out={out}")
-  assert result.returncode != 0
+  assert result.returncode == 2
   lines = _own_lines(result.stderr)
-  assert lines == [f"error: {out} is not empty; pass --overwrite to replace it"]
+  assert lines == [f"error: {out} is not empty; pass --overwrite to replace it "
+                   f"(--debug shows the traceback)"]
   assert _snapshot(out) == before
   result = _run("import_draft", f"--src={source}", "--format=eagle2", f"--target={source}",
                 f"--out={out}")
-  assert result.returncode != 0
+  assert result.returncode == 2
   assert _own_lines(result.stderr) == [
-      f"error: {out} is not empty; pass --overwrite to replace it"]
+      f"error: {out} is not empty; pass --overwrite to replace it "
+      f"(--debug shows the traceback)"]
   result = _run("export", f"--target={source}", "--format=hf", f"--out={out}", "--overwrite")
   assert result.returncode == 0, result.stderr
   _assert_same_params(load_target(out, with_tokenizer=False).params, new.params)
   assert _leftovers(out) == []
+
+
+# ---- killed exports and foreign files ---------------------------------------------------------
+
+_KILLED_EXPORT = """
+import os, signal, sys
+import jax
+from jakiro_jax.drafts import make_drafter
+from jakiro_jax.drafts.io import save_draft
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax import atomic_dir
+import safetensors.numpy
+
+cfg = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layers=2,
+                  num_heads=6, num_kv_heads=2, head_dim=12, rope_theta=1000.0,
+                  max_position_embeddings=512)
+out, point, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+if point == "writing":  # the weights half written
+  real = safetensors.numpy.save_file
+  def save_file(tensors, path, *a, **k):
+    real(tensors, path, *a, **k)
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+    die()
+  safetensors.numpy.save_file = save_file
+elif point == "written":  # every file written, not yet renamed into place
+  atomic_dir.apply_umask = die
+elif point == "swapping":  # the old directory moved aside, the new one not yet in place
+  real_rename, calls = os.rename, []
+  def rename(a, b):
+    calls.append(a)
+    if len(calls) == 2:
+      die()
+    real_rename(a, b)
+  atomic_dir.os.rename = rename
+drafter = make_drafter("eagle2", cfg)
+save_draft(out, drafter, drafter.init_params(jax.random.PRNGKey(seed)), overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["writing", "written", "swapping"])
+def test_a_killed_export_loses_nothing_and_leaves_nothing(tmp_path, point):
+  target = _target(0)
+  out = tmp_path / "draft"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  drafter = make_drafter("eagle2", CFG)
+  save_draft(out, drafter, drafter.init_params(jax.random.PRNGKey(1)))
+  before = _snapshot(out)
+  killed = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, str(out), point, "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert killed.returncode == -9, killed.stderr[-2000:]
+  assert _leftovers(out)  # the killed process could not clean up after itself
+  # The next export (or any check of the destination) puts back what was there and
+  # removes the dead process's temporaries.
+  from jakiro_jax.atomic_dir import check_destination
+  check_destination(out, overwrite=True)
+  assert _snapshot(out) == before and not _leftovers(out)
+  save_draft(out, drafter, drafter.init_params(jax.random.PRNGKey(3)), overwrite=True)
+  assert not _leftovers(out)
+  load_draft(out, target)
+
+
+def test_a_running_exports_temporary_is_left_alone(tmp_path):
+  from jakiro_jax.atomic_dir import _host_tag, clean_stale
+  out = tmp_path / "draft"
+  out.mkdir()
+  alive = tmp_path / f".draft.partial-{_host_tag()}-{os.getpid()}-0123456789ab"
+  elsewhere = tmp_path / ".draft.partial-0badcafe-1-0123456789ab"  # another host's
+  dead = tmp_path / f".draft.partial-{_host_tag()}-999999999-0123456789ab"
+  legacy = tmp_path / ".draft.partial-0123456789ab"
+  for d in (alive, elsewhere, dead, legacy):
+    d.mkdir()
+  removed = clean_stale(out)
+  assert sorted(removed) == sorted([str(dead), str(legacy)])
+  assert alive.exists() and elsewhere.exists()
+
+
+def test_overwrite_refuses_files_no_export_wrote(tmp_path, targets):
+  old, new = targets
+  out = tmp_path / "hf"
+  write_target_hf_dir(old, out)
+  write_target_hf_dir(new, out, overwrite=True)  # only our own files: replaced
+  (out / "notes.txt").write_text("my notes")
+  with pytest.raises(FileExistsError, match=r"holds files no export wrote \(notes.txt\); "
+                     r"overwrite=True replaces the whole directory: add force=True"):
+    write_target_hf_dir(old, out, overwrite=True)
+  assert (out / "notes.txt").read_text() == "my notes"
+  write_target_hf_dir(old, out, overwrite=True, force=True)
+  assert not (out / "notes.txt").exists()
+  _assert_same_params(load_target(out, with_tokenizer=False).params, old.params)

@@ -1,5 +1,7 @@
 """The Flax target against transformers on tiny random configs (fp32)."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -187,6 +189,9 @@ def test_bad_configs_and_state_dicts_raise(tmp_path, tiny_pair):
   convert.write_hf_dir(target.config, target.params, tmp_path / "ok")
   with open(tmp_path / "ok" / "model.safetensors", "r+b") as f:
     f.truncate(1000)
+  with pytest.raises(ValueError, match="model.safetensors is damaged: its sha256 differs"):
+    load_target(tmp_path / "ok")
+  os.remove(tmp_path / "ok" / "sha256.json")  # a directory written elsewhere: no digests
   with pytest.raises(ValueError, match="corrupt or truncated"):
     load_target(tmp_path / "ok")
 

@@ -16,6 +16,7 @@ from jakiro_jax.drafts.registry import make_drafter, option_fields
 from jakiro_jax.models.config import read_json
 from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.atomic_dir import atomic_dir, check_destination
+from jakiro_jax.integrity import check_digests, check_finite, digests
 
 _ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "drafts")
 # "<target>-<method>" -> package-relative directory: every draft under assets/drafts.
@@ -50,14 +51,14 @@ def _unflatten(flat):
 
 
 def save_draft(out_dir, drafter, params, dtype: str | None = None,
-               overwrite: bool = False) -> None:
+               overwrite: bool = False, force: bool = False) -> None:
   """Writes `draft.json` + `model.safetensors` (params cast to `dtype` if given), all at
   once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused unless `overwrite`,
   and then replaced whole only once the new directory is complete."""
   from safetensors.numpy import save_file
 
 
-  check_destination(out_dir, overwrite)  # before the device -> host copy
+  check_destination(out_dir, overwrite, force=force)  # before the device -> host copy
   flat = _flatten(jax.device_get(params))
   if dtype:
     flat = {k: v.astype(dtype) for k, v in flat.items()}
@@ -67,18 +68,20 @@ def save_draft(out_dir, drafter, params, dtype: str | None = None,
           "vocab_size": drafter.target_config.vocab_size,
           "tree": {"top_k": drafter.tree.top_k, "depth": drafter.tree.depth,
                    "total_tokens": drafter.tree.total_tokens}}
-  with atomic_dir(out_dir, overwrite) as tmp:
+  with atomic_dir(out_dir, overwrite, force) as tmp:
     save_file(flat, os.path.join(tmp, "model.safetensors"))
+    meta["sha256"] = digests(tmp, ["model.safetensors"])
     with open(os.path.join(tmp, "draft.json"), "w") as f:
       json.dump(meta, f, indent=2)
 
 
 def load_draft(source, target, tree: TreeConfig | None = None,
-               overrides: dict | None = None):
+               overrides: dict | None = None, allow_nonfinite: bool = False):
   """Returns `(drafter, params)` for a draft directory (or a shipped draft's name).
 
   `tree` and `overrides` (inference-time drafter options, e.g. Gumiho's mlp_topk) replace
-  what the draft was saved with; the drafter is validated with them applied.
+  what the draft was saved with; the drafter is validated with them applied. The weight
+  file must match the sha256 in `draft.json` and hold no NaN/Inf (`allow_nonfinite`).
   """
   from safetensors import SafetensorError
   from safetensors.numpy import load_file
@@ -99,6 +102,7 @@ def load_draft(source, target, tree: TreeConfig | None = None,
              for k, v in meta.get("options", {}).items()}
   options.update(overrides or {})
   drafter = make_drafter(meta["method"], target.config, tree, **options)
+  check_digests(source, meta.get("sha256"), os.path.join(source, "draft.json"))
   try:
     flat = load_file(os.path.join(source, "model.safetensors"))
   except (SafetensorError, OSError) as e:
@@ -110,5 +114,6 @@ def load_draft(source, target, tree: TreeConfig | None = None,
   if wrong:
     raise ValueError(f"draft {source} does not fit a {meta['method']} draft of this target: "
                      f"missing, unexpected or mis-shaped parameters {wrong[:8]}")
+  check_finite(flat, f"draft {source}", allow_nonfinite)
   params = jax.tree.map(lambda a: jax.numpy.asarray(a, target.config.dtype), _unflatten(flat))
   return drafter, params

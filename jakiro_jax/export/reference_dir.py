@@ -91,7 +91,7 @@ def draft_vocab_warning(drafter) -> str | None:
 
 def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "float32",
                         formats: Iterable[str] | None = None,
-                        overwrite: bool = False) -> list[str]:
+                        overwrite: bool = False, force: bool = False) -> list[str]:
   """Writes config.json + weights the original code loads; returns the written paths.
 
   embedding `[V, D]`: the target's, stored as `embed_tokens.weight` (Gumiho needs it).
@@ -106,7 +106,7 @@ def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "
   bad = [f for f in formats if f not in FORMATS]
   if bad:
     raise ValueError(f"unknown weight formats {bad}; available: {FORMATS}")
-  out_dir = check_destination(out_dir, overwrite)  # before the conversion
+  out_dir = check_destination(out_dir, overwrite, force=force)  # before the conversion
   torch = None
   if "bin" in formats:  # also before it: a missing torch fails fast
     torch = _import_torch(f"writing {BIN}", "pass --safetensors (no torch needed)")
@@ -114,7 +114,7 @@ def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "
   state = {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in state.items()}
   config = reference_config(drafter, dtype)
   names = [n for f, n in (("bin", BIN), ("safetensors", SAFETENSORS)) if f in formats]
-  with atomic_dir(out_dir, overwrite) as tmp:
+  with atomic_dir(out_dir, overwrite, force) as tmp:
     if torch is not None:
       torch.save({k: torch.from_numpy(v.copy()) for k, v in state.items()},
                  os.path.join(tmp, BIN))
@@ -277,7 +277,7 @@ def _check_embedding(stored, target, path) -> None:
                 "dropped and the target's is used", path)
 
 
-def write_target_hf_dir(target, out_dir, overwrite: bool = False) -> None:
+def write_target_hf_dir(target, out_dir, overwrite: bool = False, force: bool = False) -> None:
   """`Target.save_hf`, with `model.safetensors.index.json` even for an unsharded file: the
   original draft code reads the base embedding through that index."""
-  target.save_hf(out_dir, overwrite=overwrite, always_index=True)
+  target.save_hf(out_dir, overwrite=overwrite, always_index=True, force=force)

@@ -17,6 +17,7 @@ import numpy as np
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.tokenizer_files import make_tokenizer_files_portable
 from jakiro_jax.atomic_dir import atomic_dir
+from jakiro_jax.integrity import check_digests, digests
 from jakiro_jax.models.config import read_json
 
 _HF_LAYER = "model.layers.{i}."
@@ -199,6 +200,7 @@ def params_to_hf(cfg: LlamaConfig, variables: Mapping) -> dict[str, np.ndarray]:
 
 
 INDEX = "model.safetensors.index.json"
+SHA256 = "sha256.json"  # {weight file: sha256}, written by `write_hf_dir`, checked on read
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 
 
@@ -236,6 +238,9 @@ def read_safetensors_dir(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
                        f"which is the model is unclear; remove the stale files")
   else:
     raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor {INDEX}")
+  if SHA256 in present:
+    check_digests(model_dir, read_json(os.path.join(model_dir, SHA256), ""),
+                  os.path.join(model_dir, SHA256))
   state = {}
   for name in files:
     path = os.path.join(model_dir, name)
@@ -296,7 +301,8 @@ def _load_safetensors_any_dtype(path, load_file):
 
 def write_hf_dir(cfg: LlamaConfig, variables: Mapping, out_dir: str | os.PathLike,
                  tokenizer=None, max_shard_bytes: int = 2 << 30,
-                 overwrite: bool = False, always_index: bool = False) -> None:
+                 overwrite: bool = False, always_index: bool = False,
+                 force: bool = False) -> None:
   """Writes config.json + safetensors (sharded past `max_shard_bytes`) + tokenizer files.
 
   `model.safetensors.index.json` is written for a sharded model, and with `always_index`
@@ -320,9 +326,11 @@ def write_hf_dir(cfg: LlamaConfig, variables: Mapping, out_dir: str | os.PathLik
   names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))])
   hf = cfg.to_hf_dict()
-  with atomic_dir(out_dir, overwrite) as tmp:
+  with atomic_dir(out_dir, overwrite, force) as tmp:
     for name, shard in zip(names, shards):
       save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
+    with open(os.path.join(tmp, SHA256), "w") as f:
+      json.dump(digests(tmp, names), f, indent=2)
     if len(shards) > 1 or always_index:
       weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
       total = sum(a.nbytes for a in state.values())

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from jakiro_jax.atomic_dir import write_json
+from jakiro_jax.integrity import check_finite
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.prune import evaluate as ev
 from jakiro_jax.prune import routers
@@ -175,11 +176,20 @@ def save_router(path: str, router, schedule: Sequence[float], extra: dict | None
   """`router.json`: {"router": params as lists, "schedule": [N], "budget", ...}, atomic."""
   record = dict(extra or {}, router=router_to_json(router),
                 schedule=[float(s) for s in schedule], budget=mean_sparsity(schedule))
+  record["router_sha256"] = _router_digest(record["router"])
   write_json(path, record)
 
 
-def load_router(path: str) -> tuple[dict, tuple[float, ...], dict]:
-  """(router params, schedule, the whole record) of a `router.json` (or its directory)."""
+def _router_digest(router_json) -> str:
+  """sha256 of the router's params as stored (canonical JSON)."""
+  import hashlib
+  return hashlib.sha256(json.dumps(router_json, sort_keys=True).encode()).hexdigest()
+
+
+def load_router(path: str, allow_nonfinite: bool = False
+                ) -> tuple[dict, tuple[float, ...], dict]:
+  """(router params, schedule, the whole record) of a `router.json` (or its directory);
+  params that differ from the record's `router_sha256` or hold NaN/Inf are refused."""
   if os.path.isdir(path):
     path = os.path.join(path, ROUTER_FILE)
   if not os.path.isfile(path):
@@ -191,7 +201,14 @@ def load_router(path: str) -> tuple[dict, tuple[float, ...], dict]:
     raise ValueError(f"router file {path} is corrupt (not JSON)") from None
   if "router" not in record or "schedule" not in record:
     raise ValueError(f"router file {path} lacks 'router' or 'schedule'")
-  return router_from_json(record["router"]), tuple(float(s) for s in record["schedule"]), record
+  saved = record.get("router_sha256")
+  if saved is not None and saved != _router_digest(record["router"]):
+    raise ValueError(f"router file {path} is damaged: its params differ from their "
+                     f"router_sha256")
+  router = router_from_json(record["router"])
+  check_finite({k: np.asarray(v) for k, v in router.items()}, f"router {path}",
+               allow_nonfinite)
+  return router, tuple(float(s) for s in record["schedule"]), record
 
 
 # ------------------------------------------------------------------------------ loop

@@ -697,7 +697,7 @@ def _export_draft(run: _Run, params, subset) -> None:
   if run.is_writer:
     # The run's own output (a resumed run replaces the draft of its earlier part).
     save_draft(os.path.join(run.out_dir, "draft"), drafter, params, dtype="float16",
-               overwrite=True)
+               overwrite=True, force=True)
 
 
 def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | None = None,
