@@ -185,3 +185,16 @@ def test_steered_self_prompts(smollm2, tmp_path):
   # A resumed run reuses the written prompts.
   again = distill_data.write_self_prompts(smollm2, out, 4, settings)
   assert [p for p, _ in again] == [r["turns"][0] for r in written]
+
+
+def test_compile_time_counts_the_compilations_inside_it():
+  import jax
+  import numpy as np
+  from jakiro_jax.train.distill_data import CompileTime
+  x = np.ones(7, np.float32)
+  with CompileTime() as compiles:
+    jax.jit(lambda v: v * 3 + 1)(x).block_until_ready()
+    jax.jit(lambda v: v * 3 + 2)(x).block_until_ready()
+  assert compiles.count == 2 and compiles.seconds > 0
+  jax.jit(lambda v: v - 5)(x).block_until_ready()  # after: not counted
+  assert compiles.count == 2

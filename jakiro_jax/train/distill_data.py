@@ -29,6 +29,28 @@ from jakiro_jax.train.features import target_features
 
 log = logging.getLogger(__name__)
 
+
+class CompileTime:
+  """Compilations and their seconds while the context is open (`jax.monitoring`): each
+  new prompt or length bucket compiles the generation loop or the feature forward once,
+  which on an accelerator can outweigh running them."""
+
+  def __init__(self):
+    self.count, self.seconds = 0, 0.0
+
+  def _record(self, event: str, seconds: float, **_) -> None:
+    if event.endswith("backend_compile_duration"):
+      self.count, self.seconds = self.count + 1, self.seconds + seconds
+
+  def __enter__(self):
+    import jax
+    jax.monitoring.register_event_duration_secs_listener(self._record)
+    return self
+
+  def __exit__(self, *exc):
+    import jax
+    jax.monitoring.unregister_event_duration_listener(self._record)
+
 SELF_PROMPTS_FILE = "self_prompts.jsonl"
 MIX_FILE = "mix.json"
 
@@ -302,15 +324,20 @@ def make_feature_set(target, prompts: Sequence[str], out_dir, settings: GenDataS
            len(done), len(todo), out_dir)
   tokens_made, skipped, start = 0, 0, time.perf_counter()
   bar = tqdm(todo, desc="shards", unit="shard", disable=not progress)
-  for shard in bar:
-    rows, shard_skipped = make_shard(target, chosen, shard, settings, chosen_records)
-    for r in rows:
-      r["prompt_index"] = kept[r["prompt_index"]]
-    data.write_shard(out_dir, shard, rows, target.config.hidden_size)
-    tokens_made += sum(len(r["input_ids"]) for r in rows)
-    skipped += shard_skipped
-    bar.set_postfix(tokens_per_s=f"{tokens_made / (time.perf_counter() - start):.0f}",
-                    skipped=skipped)
+  with CompileTime() as compiles:
+    for shard in bar:
+      rows, shard_skipped = make_shard(target, chosen, shard, settings, chosen_records)
+      for r in rows:
+        r["prompt_index"] = kept[r["prompt_index"]]
+      data.write_shard(out_dir, shard, rows, target.config.hidden_size)
+      tokens_made += sum(len(r["input_ids"]) for r in rows)
+      skipped += shard_skipped
+      bar.set_postfix(tokens_per_s=f"{tokens_made / (time.perf_counter() - start):.0f}",
+                      skipped=skipped, compile_s=f"{compiles.seconds:.0f}")
+  if todo:
+    log.info("made %d shards, %d tokens in %.0f s, of which %.0f s compiling (%d compilations)",
+             len(todo), tokens_made, time.perf_counter() - start, compiles.seconds,
+             compiles.count)
   return data.read_meta(out_dir)
 
 
