@@ -5,6 +5,11 @@ overwrite (an old shard index, an old `pytorch_model.bin`), and loaders then rea
 weights. So every export writes into `.NAME.partial-*` beside NAME and renames it into
 place when complete; a non-empty NAME is refused unless `overwrite`, and then it is removed
 only after the new directory is complete, so a failed export loses nothing.
+
+Each export lists the files it wrote in `.jakiro_jax_files.json`: `overwrite` replaces only
+those (other files need `force`). Temporaries are named after their host and process, so a
+later export removes those of a killed one, and puts back a previous directory that a kill
+between the two renames of the swap left aside.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import socket
 import uuid
 
 from jakiro_jax.integrity import apply_umask
-
 
 MANIFEST = ".jakiro_jax_files.json"  # the files an export wrote, so --overwrite knows them
 
@@ -52,8 +56,8 @@ def check_destination(out_dir: str | os.PathLike, overwrite: bool = False,
   if os.path.isdir(out_dir) and os.listdir(out_dir):
     if not overwrite:
       raise FileExistsError(f"{out_dir} is not empty; pass {flag} to replace it")
-    foreign = [f for f in _files_under(out_dir)
-               if f != MANIFEST and f not in _our_files(out_dir)]
+    ours = _our_files(out_dir) | {MANIFEST}
+    foreign = [f for f in _files_under(out_dir) if f not in ours]
     if foreign and not force:
       force_flag = "--force" if flag.startswith("--") else "force=True"
       shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
