@@ -495,16 +495,23 @@ def _restore_newest(run: _Run, checkpoints, notices: list[str]):
       run.abstract_state, run.state_sharding)
   steps = checkpoints.all_steps()
   for step in steps:
+    failure = None
     try:
       state, subset = _restore(checkpoints, step, abstract, run.fingerprint, run.inputs.order)
-      return state, subset, step
     except TrainInputError:
       raise
     except Exception as e:  # orbax and tensorstore raise many kinds on damaged files
-      reason = (str(e).strip().splitlines() or [""])[0][:200]
-      moved = checkpoints.set_aside(step)
-      notices.append(f"checkpoint {step} in {checkpoints.directory} is damaged "
-                     f"({type(e).__name__}: {reason}); set aside as {moved}")
+      failure = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    if jax.process_count() > 1:  # each process reads its own shards: all must agree
+      from jax.experimental import multihost_utils
+      failed = multihost_utils.process_allgather(np.int32(failure is not None))
+      if failure is None and np.asarray(failed).any():
+        failure = "another process could not restore its part"
+    if failure is None:
+      return state, subset, step
+    moved = checkpoints.set_aside(step)
+    notices.append(f"checkpoint {step} in {checkpoints.directory} is damaged ({failure}); "
+                   f"set aside as {moved}")
   if steps:
     notices.append(f"no usable checkpoint in {checkpoints.directory} (all {len(steps)} "
                    f"damaged, set aside): starting from step 0")
