@@ -625,3 +625,21 @@ def test_checkpoint_checksums_catch_values_that_still_decode(tmp_path):
   with pytest.raises(CheckpointDamaged, match="values differ"):
     checkpoints.restore(5)
   checkpoints.close()
+
+
+def test_resume_with_every_checkpoint_damaged_says_so_and_starts_over(finished_run, tmp_path):
+  import shutil
+  config, data_dir, whole, reference = finished_run
+  out = tmp_path / "run"
+  shutil.copytree(whole, out)
+  for step, kind in ((4, "empty_dir"), (6, "truncated"), (8, "random_bytes")):
+    _damage(out / "checkpoints" / str(step), kind)
+  said = []
+  resumed = train(config, data_dir, out, resume=True, log=said.append)
+  assert [line.split(" in ")[0] for line in said[:3]] == [
+      "checkpoint 8", "checkpoint 6", "checkpoint 4"]
+  assert said[3] == (f"no usable checkpoint in {out / 'checkpoints'} (all 3 damaged, set "
+                     f"aside): starting from step 0")
+  assert "resumed" not in said[4]
+  for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference)):
+    assert np.array_equal(np.asarray(got), np.asarray(want))  # the same run from scratch
