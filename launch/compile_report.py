@@ -23,9 +23,9 @@ from ml_collections import config_flags
 from launch import cli
 
 _DEVICE = flags.DEFINE_string(
-    "device", "h100", "h100, or a TPU slice (v5e-8, v5e-256, v5p-64, v6e-8, v4-8) or "
+    "device", "h100", "h100, h200, or a TPU slice (v5e-8, v5e-256, v5p-64, v6e-8, v4-8) or "
     "topology (v5e:2x4, v5p:4x4x4).")
-_DEVICES = flags.DEFINE_integer("devices", 1, "H100s (8 per host; 16 = two hosts).")
+_DEVICES = flags.DEFINE_integer("devices", 1, "GPUs (h100 / h200; 8 per host; 16 = two hosts).")
 _TARGET = flags.DEFINE_string(
     "target", "llama31_8b", "A preset (vicuna_7b, llama2_7b, llama31_8b, qwen2_7b, "
     "llama3_70b, smollm2) or a HuggingFace config.json / model directory.")

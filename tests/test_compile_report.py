@@ -50,6 +50,9 @@ def test_platforms():
   assert "TPU v5" in tpu.devices[0].device_kind
   assert (gpu.kind, gpu.num_devices) == ("h100", 2)
   assert "H100" in gpu.devices[0].device_kind
+  h200 = aot.platform("h200", 1)  # the same chip compiled from one description, own peaks
+  assert (h200.kind, h200.is_gpu, h200.label) == ("h200", True, "h200 x1")
+  assert h200.peaks["hbm_bw"] > gpu.peaks["hbm_bw"]
   assert aot.tpu_topology_name("v5e-256") == "v5e:16x16"
   assert aot.tpu_topology_name("v5p-64") == "v5p:2x4x4"
   with pytest.raises(ValueError, match="v5e slices have"):

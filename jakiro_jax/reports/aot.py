@@ -39,6 +39,13 @@ PEAKS: dict[str, dict[str, Any]] = {
                "launch_s, graph_node_s: our round figures for a host launch (a few us) "
                "and for the gap between kernels of a CUDA graph (about 1 us), until a "
                "device measures them"),
+    "h200": dict(
+        name="NVIDIA H200 SXM 141GB", bf16_flops=989.4e12, hbm_bw=4.8e12,
+        hbm_bytes=141 * 10**9, link_bw=450e9, launch_s=4e-6, graph_node_s=1e-6,
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 1,979 TFLOPS bf16 with "
+               "sparsity = 989 dense, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s both ways); "
+               "the same Hopper chip as the H100, so programs compile from the H100 "
+               "description; launch_s, graph_node_s as for the H100"),
     "v4": dict(
         name="TPU v4", bf16_flops=275e12, hbm_bw=1.2e12, hbm_bytes=32 * 2**30,
         link_bw=2400e9 / 8 / 2, launch_s=0.0, graph_node_s=0.0,
@@ -61,6 +68,7 @@ PEAKS: dict[str, dict[str, Any]] = {
                "ICI 3,584 Gbps per chip)"),
 }
 TPU_KINDS = ("v4", "v5e", "v5p", "v6e")
+GPU_KINDS = ("h100", "h200")  # compile from one description: the same sm_90 chip
 GPUS_PER_HOST = 8
 
 # Slice names as Cloud TPU sells them -> libtpu topology names. v4 / v5p count
@@ -129,7 +137,7 @@ class Platform:
 
   @property
   def is_gpu(self) -> bool:
-    return self.kind == "h100"
+    return self.kind in GPU_KINDS
 
   @property
   def num_devices(self) -> int:
@@ -177,11 +185,11 @@ def _topologies():
 
 @functools.lru_cache(maxsize=None)
 def platform(device: str, devices: int = 1, log_path: str | None = None) -> Platform:
-  """Compile-only devices: `device` 'h100' with `devices` GPUs (8 per host), or a TPU
-  slice ('v5e-8', 'v5p-64', 'v6e:8x8', ...). Raises AotUnavailable with the install
+  """Compile-only devices: `device` 'h100' or 'h200' with `devices` GPUs (8 per host), or a
+  TPU slice ('v5e-8', 'v5p-64', 'v6e:8x8', ...). Raises AotUnavailable with the install
   command when the backend is missing."""
   topologies = _topologies()
-  if device == "h100":
+  if device in GPU_KINDS:
     if devices < 1 or (devices > GPUS_PER_HOST and devices % GPUS_PER_HOST):
       raise ValueError(f"--devices={devices}: 1 to {GPUS_PER_HOST} GPUs, or whole hosts "
                        f"of {GPUS_PER_HOST}")
@@ -193,9 +201,9 @@ def platform(device: str, devices: int = 1, log_path: str | None = None) -> Plat
                                             target_config=h100_description())
     except Exception as e:  # noqa: BLE001 - the plugin raises plain RuntimeErrors
       raise AotUnavailable(
-          f"cannot make compile-only H100s ({type(e).__name__}: {e}); install the CUDA "
+          f"cannot make compile-only {device.upper()}s ({type(e).__name__}: {e}); install the CUDA "
           f"plugin with `pip install -e \".[aot]\"` and run with JAX_PLATFORMS=cpu") from None
-    return Platform("h100", f"h100 x{devices}", topology, tuple(topo.devices))
+    return Platform(device, f"{device} x{devices}", topology, tuple(topo.devices))
   name = tpu_topology_name(device)
   try:
     with quiet_native_stderr(log_path):

@@ -42,8 +42,8 @@ GENERATION_LOOPS = ("ar_loop", "gen_data", "spec_loop")  # programs around a whi
 
 @dataclasses.dataclass(frozen=True)
 class ReportSettings:
-  device: str = "h100"  # h100, or a TPU slice: v5e-8, v5p-64, v6e:8x8, ...
-  devices: int = 1  # GPUs (h100 only)
+  device: str = "h100"  # h100, h200, or a TPU slice: v5e-8, v5p-64, v6e:8x8, ...
+  devices: int = 1  # GPUs (h100 / h200 only)
   target: str = "llama31_8b"  # a preset (`models/presets.py`) or a config.json path
   dtype: str = "bfloat16"
   programs: tuple[str, ...] = PROGRAM_KINDS
@@ -252,7 +252,7 @@ def run_report(settings: ReportSettings, out_dir: str,
     hf["num_hidden_layers"] = settings.layers
     name = f"{name} (layers={settings.layers})"
   config = config_from_hf(hf, settings.dtype)
-  platform = aot.platform(settings.device, settings.devices if settings.device == "h100"
+  platform = aot.platform(settings.device, settings.devices if settings.device in aot.GPU_KINDS
                           else 1, log_path)
   all_jobs = jobs(settings, config, platform)
   fingerprint = settings.key()
