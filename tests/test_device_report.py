@@ -68,7 +68,8 @@ def test_ar_decode_rows_and_floor():
     assert row["kv_cache_bytes"] == 2 * 2 * row["batch"] * 64 * 2 * 12 * 4
     assert row["tokens_per_s"] == pytest.approx(row["batch"] * 1e3 / row["step_ms"])
     assert row["floor_ms"] == pytest.approx(weights / bandwidth / 1e6)
-    assert row["floor_ratio"] == pytest.approx(row["floor_ms"] / row["step_ms"])
+    # against the step in the generation loop, not one blocked call
+    assert row["floor_ratio"] == pytest.approx(row["floor_ms"] / row["loop_step_ms"])
     assert row["floor_with_kv_ms"] > row["floor_ms"]
     assert 0 < row["empty_step_ms"] < row["loop_step_ms"]  # the forward costs something
   # every triple of the full grid left out is listed, with its reason
@@ -261,6 +262,11 @@ def test_scale_tiny_and_projection():
   for n in (12, 26, 27, 60, 64):
     assert rows[f"verify/{n}"]["x_ar_step"] == pytest.approx(rows[f"verify/{n}"]["ms"] / ar["ms"])
   assert any("llama2_7b" in s["item"] for s in result["skipped"])  # says it is a stand-in
+  # device time in a loop, with one blocked call's time beside it
+  assert all(r["ms"] > 0 and r["call_ms"] > 0 for r in rows.values())
+  bw = result["extra"]["bandwidth"]
+  assert bw["timing"].endswith("in one jitted loop") and bw["call_ms"] > 0
+  assert bw["bandwidth_gb_s"] == pytest.approx(2 * 8 * 2**20 / bw["copy_ms"] / 1e6)
 
   spec_row = dict(method="eagle2", tree_set="papers", temperature=0, tau=3.0,
                   tree={"top_k": 10, "depth": 5, "total_tokens": 60},
@@ -276,6 +282,33 @@ def test_scale_tiny_and_projection():
   # a node count between measured ones is interpolated and says so
   ms, how = dr._verify_ms([{"nodes": 10, "ms": 1.0}, {"nodes": 20, "ms": 3.0}], 15)
   assert (ms, how) == (2.0, "interpolated")
+
+
+def test_loop_ms_runs_the_body_steps_times_per_call(monkeypatch):
+  """The loop helper runs `steps` bodies per dispatch, threads the carry, and reports the
+  time per body."""
+  import jax.numpy as jnp
+
+  from jakiro_jax.speculative import round_timing
+  traced = []
+
+  def body(increment, carry):
+    traced.append(1)  # traced once: one compilation for every timed run
+    return carry + increment
+  seen = {}
+  real = round_timing.median_ms
+
+  def spy(fn, repeats, warmup):
+    out = real(fn, repeats, warmup)
+    seen["carry"], seen["runs"] = fn(), repeats + warmup + 1  # one more run after timing
+    seen["ms"] = out
+    return out
+  monkeypatch.setattr(round_timing, "median_ms", spy)
+  ms = round_timing.loop_ms(body, jnp.float32(1.0), jnp.zeros((4,), jnp.float32), steps=5,
+                            repeats=3)
+  assert len(traced) == 1
+  assert ms == pytest.approx(seen["ms"] / 5) and ms > 0
+  assert seen["carry"].tolist() == [5.0 * seen["runs"]] * 4  # every run did 5 steps
 
 
 def test_render_all_sections(tmp_path):
@@ -332,7 +365,7 @@ def test_cli_end_to_end_and_resume(tmp_path):
   assert report["projection"] is None  # no speculative section, no tau
   markdown = (out / "report.md").read_text()
   assert "| dtype | batch | cache slots | step ms |" in markdown
-  assert "| what | ms | x AR step | note |" in markdown
+  assert "| what | ms | one call ms | x AR step | note |" in markdown
   assert "Not run: not in --sections." in markdown  # speculative and peers
   assert (out / "report.png").read_bytes()[:8] == PNG_MAGIC
   # Rerun: both sections are kept, nothing is measured again.

@@ -38,6 +38,24 @@ def median_ms(fn, repeats: int = 7, warmup: int = 2) -> float:
   return float(np.median(timed_runs(fn, repeats, warmup)) * 1e3)
 
 
+def loop_ms(body, consts, carry, steps: int = 16, repeats: int = 5) -> float:
+  """Median ms of one `body(consts, carry) -> carry` when `steps` of them run inside one
+  jitted `fori_loop`: the device's own time. A blocked call (`median_ms`) adds the host's
+  dispatch and wait to it, which for a program of a few hundred microseconds on a GPU is
+  most of what it measures; here that is paid once per `steps`. `carry` is donated, so
+  pass arrays the caller does not need again; fold every output that matters into it
+  (XLA drops work whose result is unused)."""
+  looped = jax.jit(
+      lambda consts, carry: jax.lax.fori_loop(0, steps, lambda _, c: body(consts, c), carry),
+      donate_argnums=1)
+  box = {"carry": carry}
+
+  def run():
+    box["carry"] = looped(consts, box["carry"])
+    return box["carry"]
+  return median_ms(run, repeats, warmup=1) / steps
+
+
 def decode_forward(config, advance: bool = False):
   """The forward of a target of `config` over `T` new tokens after each row's cache:
   `(params, tokens [B, T], cache) -> (logits [B, T, V], cache)`. T = 1 is the AR decode

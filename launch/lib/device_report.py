@@ -40,7 +40,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from jakiro_jax.speculative.round_timing import decode_step_fn, median_ms
+from jakiro_jax.speculative.round_timing import (decode_forward, decode_step_fn, loop_ms,
+                                                  median_ms)
 
 SECTIONS = ("ar_decode", "speculative", "peers", "scale")
 # The methods whose original PyTorch code the peers section would run.
@@ -232,22 +233,26 @@ def weight_bytes(params) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 
-def copy_bandwidth(mib: int, repeats: int = 10) -> dict:
+def copy_bandwidth(mib: int, repeats: int = 10, steps: int = 16) -> dict:
   """Device memory bandwidth from a jitted elementwise pass over a `mib` MiB fp32 buffer
-  (bytes read + written / time). `x + 1`, not `x + 0`, which XLA may fold to a no-op; the
-  buffer is donated so no allocation is timed."""
+  (bytes read + written / time), `steps` passes inside one `fori_loop` (`loop_ms`): the
+  kernel's own time. `x + 1`, not `x + 0`, which XLA may fold to a no-op. `call_ms` is
+  one pass as a blocked call, dispatch and wait included, to show what the host adds."""
   import jax
   import jax.numpy as jnp
 
   n = mib * 2**20 // 4
-  state = {"x": jnp.zeros((n,), jnp.float32)}
+  ms = loop_ms(lambda _, x: x + 1, (), jnp.zeros((n,), jnp.float32), steps, repeats)
   bump = jax.jit(lambda x: x + 1, donate_argnums=0)
+  state = {"x": jnp.zeros((n,), jnp.float32)}
 
   def run():
     state["x"] = bump(state["x"])
-    state["x"].block_until_ready()
-  ms = median_ms(run, repeats)
-  return {"copy_mib": mib, "copy_ms": ms, "bandwidth_gb_s": 2 * n * 4 / ms / 1e6}
+    return state["x"]
+  call_ms = median_ms(run, repeats)
+  return {"copy_mib": mib, "copy_ms": ms, "bandwidth_gb_s": 2 * n * 4 / ms / 1e6,
+          "timing": f"{steps} passes in one jitted loop", "call_ms": call_ms,
+          "call_bandwidth_gb_s": 2 * n * 4 / call_ms / 1e6}
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,6 +276,9 @@ def ar_decode_settings(size: str, target: str, grid: Sequence | None = None) -> 
           "not_measured": [[g, reason] for g in full if g not in chosen],
           "repeats": 30 if size == "full" else 10,
           "loop_steps": 64 if size == "full" else 16,
+          # Device times from programs looped on the device (`loop_ms`), the floor against
+          # the loop step; a report measured otherwise is not resumed.
+          "timing": "loop",
           # Larger than the last-level cache: on a server CPU with a 480 MiB L3 a 64 MiB
           # buffer ran at 87 GB/s, 256 MiB and 1 GiB ones at 44-49 (DRAM).
           "copy_mib": 256 if size == "full" else 512}
@@ -350,7 +358,7 @@ def measure_decode(target, batch: int, slots: int, repeats: int, loop_steps: int
           "step_ms": step_ms, "tokens_per_s": batch * 1e3 / step_ms,
           "loop_step_ms": loop_ms[True], "loop_tokens_per_s": batch * 1e3 / loop_ms[True],
           "empty_step_ms": loop_ms[False], "weight_bytes": wbytes, "kv_cache_bytes": kv_bytes,
-          "floor_ms": floor_ms, "floor_ratio": floor_ms / step_ms,
+          "floor_ms": floor_ms, "floor_ratio": floor_ms / loop_ms[True],
           # attention reads every slot of the static cache (the mask is applied after)
           "floor_with_kv_ms": (wbytes + kv_bytes) / bandwidth_gb_s / 1e6}
 
@@ -853,7 +861,8 @@ def scale_settings(size: str, preset: str = "auto", node_counts: Sequence[int] =
           "context": 1024 if size == "full" else 256,
           "node_counts": counts, "draft_tree": [10, 5, 60], "frontier": 10,
           "repeats": 20 if size == "full" else 5,
-          "copy_mib": 256 if size == "full" else 512, "seed": 0}
+          "copy_mib": 256 if size == "full" else 512, "seed": 0,
+          "timing": "loop", "loop_steps": 8 if size == "full" else 2}
 
 
 def random_like(init_fn: Callable[[], Any], seed: int = 0):
@@ -889,7 +898,8 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
   """Section d: AR step (a forward over 1 token) vs the bandwidth floor, forwards over N
   tokens (the verify cost of an N-node tree; the mask pattern does not change the cost of
   the dense attention) relative to it, and one EAGLE-2 draft forward + lm_head + top-k
-  over a frontier of `frontier` nodes."""
+  over a frontier of `frontier` nodes. Each row's `ms` is the device's time, `loop_steps`
+  runs inside one jitted loop (`loop_ms`); `call_ms` is one blocked call."""
   import jax
   import jax.numpy as jnp
   from tqdm import tqdm
@@ -910,6 +920,7 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
   context = settings["context"]
   slots = round_up(context + max(settings["node_counts"]) + 64, 64)
   forward = decode_step_fn(cfg)
+  step = decode_forward(cfg)
   state: dict = {}
 
   def params():
@@ -920,24 +931,36 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
       section.extra["weight_bytes"] = weight_bytes(state["params"])
     return state["params"]
 
-  def forward_ms(n: int) -> float:
+  def forward_ms(n: int) -> tuple[float, float]:
+    """(device ms in a loop, ms of one blocked call) of the forward over n tokens."""
     p = params()
-    box = {"cache": new_cache(cfg, 1, slots).replace(lengths=jnp.array([context], jnp.int32))}
     tokens = jnp.ones((1, n), jnp.int32)
+
+    def fresh_cache():
+      return new_cache(cfg, 1, slots).replace(lengths=jnp.array([context], jnp.int32))
+
+    def body(p, carry):
+      cache, acc = carry
+      logits, cache = step(p, tokens, cache)
+      return cache, acc + logits.sum()  # keeps the lm_head's work
+    in_loop = loop_ms(body, p, (fresh_cache(), jnp.zeros((), jnp.float32)),
+                      settings["loop_steps"], max(3, settings["repeats"] // 4))
+    box = {"cache": fresh_cache()}
 
     def run():
       logits, box["cache"] = forward(p, tokens, box["cache"])
-      logits.block_until_ready()
-    return median_ms(run, settings["repeats"], warmup=2)
+      return logits
+    return in_loop, median_ms(run, settings["repeats"], warmup=2)
 
   def ar_row():
-    ms = forward_ms(1)
+    ms, call_ms = forward_ms(1)
     wbytes = section.extra["weight_bytes"]
     kv = (2 * cfg.num_layers * slots * cfg.num_kv_heads * cfg.head_dim
           * jnp.dtype(cfg.dtype).itemsize)
     bandwidth = section.extra["bandwidth"]["bandwidth_gb_s"]
     floor = wbytes / bandwidth / 1e6
-    return {"what": "AR step (1 token)", "nodes": 1, "ms": ms, "tokens_per_s": 1e3 / ms,
+    return {"what": "AR step (1 token)", "nodes": 1, "ms": ms, "call_ms": call_ms,
+            "tokens_per_s": 1e3 / ms,
             "weight_bytes": wbytes, "kv_cache_bytes": int(kv), "floor_ms": floor,
             "floor_with_kv_ms": (wbytes + kv) / bandwidth / 1e6, "floor_ratio": floor / ms}
 
@@ -947,7 +970,6 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
     dparams = random_like(lambda: drafter.init_params(jax.random.PRNGKey(0)), settings["seed"] + 1)
     k = settings["frontier"]
 
-    @functools.partial(jax.jit, donate_argnames=("cache",))
     def draft_forward(dparams, tparams, tokens, features, cache):
       lengths = cache.lengths
       positions = jnp.broadcast_to(lengths[:, None], tokens.shape)  # one tree level
@@ -957,17 +979,29 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
       top = jax.lax.top_k(drafter.log_probs(head, hidden), tree.top_k)
       return top, cache.replace(lengths=lengths)
 
-    box = {"cache": drafter.new_cache(1, slots).replace(lengths=jnp.array([context], jnp.int32))}
     tokens = jnp.ones((1, k), jnp.int32)
     features = jnp.zeros((1, k, cfg.hidden_size), cfg.dtype)
     p = params()
 
+    def fresh_cache():
+      return drafter.new_cache(1, slots).replace(lengths=jnp.array([context], jnp.int32))
+
+    def body(consts, carry):
+      cache, acc = carry
+      (values, ids), cache = draft_forward(*consts, tokens, features, cache)
+      return cache, acc + values.sum() + ids.sum()  # keeps the top-k's work
+    ms = loop_ms(body, (dparams, p), (fresh_cache(), jnp.zeros((), jnp.float32)),
+                 settings["loop_steps"], max(3, settings["repeats"] // 4))
+    draft_jit = jax.jit(draft_forward, donate_argnames=("cache",))
+    box = {"cache": fresh_cache()}
+
     def run():
-      top, box["cache"] = draft_forward(dparams, p, tokens, features, box["cache"])
-      jax.block_until_ready(top)
-    ms = median_ms(run, settings["repeats"], warmup=2)
+      top, box["cache"] = draft_jit(dparams, p, tokens, features, box["cache"])
+      return top
+    call_ms = median_ms(run, settings["repeats"], warmup=2)
     return {"what": f"EAGLE-2 draft forward ({k}-node frontier, 1 layer + lm_head + top-k)",
-            "frontier": k, "ms": ms, "draft_weight_bytes": weight_bytes(dparams)}
+            "frontier": k, "ms": ms, "call_ms": call_ms,
+            "draft_weight_bytes": weight_bytes(dparams)}
 
   ar = section.unit("ar_step", ar_row)
   ar_ms = (ar or {}).get("ms")
@@ -977,8 +1011,8 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
   section.unit("draft/eagle2", draft_row)
   for n in tqdm(order, desc="scale verify", file=sys.stderr, disable=not progress):
     def verify_row(n=n):
-      ms = forward_ms(n)
-      return {"what": f"verify forward ({n} nodes)", "nodes": n, "ms": ms,
+      ms, call_ms = forward_ms(n)
+      return {"what": f"verify forward ({n} nodes)", "nodes": n, "ms": ms, "call_ms": call_ms,
               "x_ar_step": ms / ar_ms if ar_ms else None}
     section.unit(f"verify/{n}", verify_row)
   state.clear()  # frees the 7B weights before the next section

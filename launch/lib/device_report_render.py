@@ -76,18 +76,30 @@ def _errors(section: Mapping) -> list[str]:
   return ([f"* `{r['key']}` failed: {r['error']}" for r in bad] + [""]) if bad else []
 
 
+def _call_note(bw: Mapping) -> str:
+  """What one blocked call of the copy gave, where the report has it."""
+  if not bw.get("timing"):
+    return ""
+  return (f", {bw['timing']}; one blocked call {bw['call_ms']:.3f} ms = "
+          f"{bw['call_bandwidth_gb_s']:.1f} GB/s")
+
+
 def _ar_decode_md(section: Mapping) -> list[str]:
   lines = []
+  looped = section.get("settings", {}).get("timing") == "loop"  # older reports: one call
   bw = section.get("extra", {}).get("bandwidth")
   if bw:
     lines += [f"Copy bandwidth: {bw['bandwidth_gb_s']:.1f} GB/s (jitted `x + 1` over "
-              f"{bw['copy_mib']} MiB fp32, read + write, {bw['copy_ms']:.3f} ms). Floor = "
-              f"weight bytes / that bandwidth; with KV = weights + the whole static cache "
-              f"(attention reads every slot).", ""]
+              f"{bw['copy_mib']} MiB fp32, read + write, {bw['copy_ms']:.3f} ms"
+              + _call_note(bw) + "). Floor = weight bytes / that bandwidth; with KV = "
+              "weights + the whole static cache (attention reads every slot)"
+              + ("; floor / loop step is against the step inside the generation loop"
+                 if looped else "") + ".", ""]
   rows = [r for r in section.get("rows", []) if not r.get("error")]
   lines += _table(
       ["dtype", "batch", "cache slots", "step ms", "tokens/s", "loop ms/step",
-       "empty loop ms/step", "weights MB", "floor ms", "floor ms with KV", "floor/step"],
+       "empty loop ms/step", "weights MB", "floor ms", "floor ms with KV",
+       "floor / loop step" if looped else "floor/step"],
       [[r["dtype"], r["batch"], r["slots"], r["step_ms"], _f(r["tokens_per_s"], 1),
         r["loop_step_ms"], _f(r["empty_step_ms"], 3), _f(r["weight_bytes"] / 1e6, 0),
         r["floor_ms"], r["floor_with_kv_ms"], r["floor_ratio"]] for r in rows])
@@ -178,22 +190,33 @@ def _scale_md(section: Mapping, projection: Mapping | None) -> list[str]:
            f"intermediate {shape.get('intermediate_size')}, vocab {shape.get('vocab_size')}; "
            f"context {settings.get('context')}." + (
                f" {settings['note']}." if settings.get("note") else ""), ""]
+  looped = settings.get("timing") == "loop"
   bw = section.get("extra", {}).get("bandwidth")
   if bw:
-    lines += [f"Copy bandwidth: {bw['bandwidth_gb_s']:.1f} GB/s.", ""]
+    lines += [f"Copy bandwidth: {bw['bandwidth_gb_s']:.1f} GB/s" + (
+        f" ({bw['timing']}; one blocked call: {bw['call_bandwidth_gb_s']:.1f} GB/s)"
+        if bw.get("timing") else "") + ".", ""]
+    if bw.get("timing"):
+      lines += ["ms: the program's device time, several runs inside one jitted loop; one "
+                "call ms: a single blocked call, the host's dispatch and wait included.", ""]
   rows = [r for r in section.get("rows", []) if not r.get("error")]
   ar = next((r for r in rows if r["key"] == "ar_step"), None)
   table = []
   if ar:
-    table.append([ar["what"], ar["ms"], "1.00", f"floor {ar['floor_ms']:.3f} ms "
-                  f"(with KV {ar['floor_with_kv_ms']:.3f}); floor/step {ar['floor_ratio']:.2f}"])
+    table.append([ar["what"], ar["ms"], _f(ar.get("call_ms")), "1.00",
+                  f"floor {ar['floor_ms']:.3f} ms (with KV {ar['floor_with_kv_ms']:.3f}); "
+                  f"floor/step {ar['floor_ratio']:.2f}"])
   for r in sorted((r for r in rows if r["key"].startswith("verify/")),
                   key=lambda r: r["nodes"]):
-    table.append([r["what"], r["ms"], _f(r.get("x_ar_step")), ""])
+    table.append([r["what"], r["ms"], _f(r.get("call_ms")), _f(r.get("x_ar_step")), ""])
   draft = next((r for r in rows if r["key"] == "draft/eagle2"), None)
   if draft:
-    table.append([draft["what"], draft["ms"], _f(draft["ms"] / ar["ms"]) if ar else "-", ""])
-  lines += _table(["what", "ms", "x AR step", "note"], table)
+    table.append([draft["what"], draft["ms"], _f(draft.get("call_ms")),
+                  _f(draft["ms"] / ar["ms"]) if ar else "-", ""])
+  if not looped:  # older reports timed one blocked call only
+    table = [row[:2] + row[3:] for row in table]
+  lines += _table(["what", "ms", "one call ms", "x AR step", "note"] if looped
+                  else ["what", "ms", "x AR step", "note"], table)
   if projection and projection.get("rows"):
     lines += [f"**Projection** (not a measurement): {projection['formula']}.", ""]
     lines += _table(["method", "tree set", "tau (T=0)", "nodes", "verify ms",
