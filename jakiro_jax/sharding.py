@@ -44,7 +44,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 # Fixed layouts of the arrays that are not Flax params.
-CACHE_KV_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")  # KVCache.k / .v
+CACHE_KV_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")  # KVCache.k / .v
 CACHE_LENGTHS_AXES = ("batch",)
 HEAD_AXES = ("vocab", "embed")  # an lm_head matrix [V, D]
 

@@ -216,3 +216,16 @@ def test_fp32_dots_are_fp32_on_every_backend(tiny_pair, dtype, want):
       assert "precision = [HIGHEST, HIGHEST]" in line, line
     else:
       assert "HIGHEST" not in line, line
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_attention_values_is_the_weighted_sum_of_values(tokens):
+  """Both output orders of `attention_values` (one token; a tree's tokens) give
+  sum_s probs[b, k, g, t, s] * values[b, k, s, :] at [b, t, k, g]."""
+  rng = np.random.default_rng(tokens)
+  probs = rng.random((2, 3, 2, tokens, 7)).astype(np.float32)  # [B, K, G, T, S]
+  values = rng.normal(size=(2, 3, 7, 4)).astype(np.float32)  # [B, K, S, H]
+  expected = (probs[..., None] * values[:, :, None, None]).sum(-2).transpose(0, 3, 1, 2, 4)
+  out = llama.attention_values(jnp.asarray(probs), jnp.asarray(values))
+  assert out.shape == (2, tokens, 3, 2, 4)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

@@ -105,7 +105,7 @@ def test_keep_everything_is_the_dense_model():
                      cache=new_pruned_cache(config, 2, 12), route=keep)
   np.testing.assert_allclose(out.logits, logits, atol=1e-6, rtol=1e-6)
   np.testing.assert_allclose(out.features, features, atol=1e-6, rtol=1e-6)
-  np.testing.assert_array_equal(out.cache.k[:, :, :9], dense_cache.k[:, :, :9])
+  np.testing.assert_array_equal(out.cache.k[:, :, :, :9], dense_cache.k[:, :, :, :9])
   assert bool(out.cache.valid[:, :, :9].all()) and not bool(out.cache.valid[:, :, 9:].any())
   # every query's probabilities sum to 1: the received column sums total the query count
   np.testing.assert_allclose(out.cache.received.sum(-1), 9.0, rtol=1e-5)
@@ -182,11 +182,11 @@ def test_cached_decode_equals_full_recomputation_with_the_same_decisions():
     used = slice(0, n + steps)
     np.testing.assert_array_equal(cache.valid[:, b, used], full.cache.valid[:, b, used])
     np.testing.assert_array_equal(cache.valid[:, b, used], keep[b, :, used])
-    valid = np.asarray(full.cache.valid[:, b, used])[..., None, None]
-    np.testing.assert_allclose(np.where(valid, cache.k[:, b, used], 0),
-                               np.where(valid, full.cache.k[:, b, used], 0), **TOL)
-    np.testing.assert_allclose(np.where(valid, cache.v[:, b, used], 0),
-                               np.where(valid, full.cache.v[:, b, used], 0), **TOL)
+    valid = np.asarray(full.cache.valid[:, b, used])[:, None, :, None]  # [L, 1, S, 1]
+    np.testing.assert_allclose(np.where(valid, cache.k[:, b, :, used], 0),
+                               np.where(valid, full.cache.k[:, b, :, used], 0), **TOL)
+    np.testing.assert_allclose(np.where(valid, cache.v[:, b, :, used], 0),
+                               np.where(valid, full.cache.v[:, b, :, used], 0), **TOL)
     # attention-received sums accumulate over decode exactly as in one pass
     np.testing.assert_allclose(cache.received[:, b, used], full.cache.received[:, b, used],
                                **TOL)

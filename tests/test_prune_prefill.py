@@ -28,7 +28,7 @@ def setup():
 
 def _assert_same_cache(a, b):
   np.testing.assert_array_equal(a.valid, b.valid)
-  valid = np.asarray(a.valid)[..., None, None]
+  valid = np.asarray(a.valid)[:, :, None, :, None]  # [L, B, S] -> [L, B, 1, S, 1]
   np.testing.assert_allclose(np.where(valid, a.k, 0), np.where(valid, b.k, 0), **TOL)
   np.testing.assert_allclose(np.where(valid, a.v, 0), np.where(valid, b.v, 0), **TOL)
   np.testing.assert_allclose(a.received, b.received, **TOL)
@@ -57,7 +57,7 @@ def test_gathered_prefill_equals_masked_forward(setup):
   # the masked run's cache has S > T slots, the gathered one T: the extra are untouched
   assert not bool(masked.cache.valid[:, :, T:].any())
   _assert_same_cache(gathered.cache, masked.cache.replace(
-      k=masked.cache.k[:, :, :T], v=masked.cache.v[:, :, :T],
+      k=masked.cache.k[:, :, :, :T], v=masked.cache.v[:, :, :, :T],
       valid=masked.cache.valid[:, :, :T], received=masked.cache.received[:, :, :T]))
   np.testing.assert_allclose(gathered.prob, masked.prob, **TOL)
 

@@ -225,7 +225,7 @@ def test_sharded_generation_gives_the_unsharded_greedy_tokens(workers):
   # (Axes of size 1 stay in the specs; they split nothing.)
   specs = out["specs"]
   assert specs["(2, 2, 2)"]["qkv"] == ["tensor", None, None, "fsdp"]
-  assert specs["(2, 2, 2)"]["cache_k"] == [None, ["data", "fsdp"], None, "tensor"]
+  assert specs["(2, 2, 2)"]["cache_k"] == [None, ["data", "fsdp"], "tensor"]  # heads-major
   assert specs["(1, 1, 8)"]["qkv"] == [None, None, None, "fsdp"]
   assert specs["(1, 1, 8)"]["cache_k"] == [None, ["data", "fsdp"]]
 

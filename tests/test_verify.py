@@ -62,10 +62,10 @@ def test_greedy_shortcut_equals_general_walk_on_random_trees():
 
 
 def test_commit_moves_path_kv_into_place():
-  k = jnp.arange(2 * 1 * 10, dtype=jnp.float32).reshape(2, 1, 10, 1, 1)  # [L, B, S, K, H]
+  k = jnp.arange(2 * 1 * 10, dtype=jnp.float32).reshape(2, 1, 1, 10, 1)  # [L, B, K, S, H]
   cache = KVCache(k=k, v=-k, lengths=jnp.array([3]))
   out = commit_path(cache, jnp.array([[0, 2, 5]]), jnp.array([3]))
   # Path nodes 0, 2, 5 sit at slots 3, 5, 8 and move to slots 3, 4, 5.
-  np.testing.assert_array_equal(out.k[0, 0, :6, 0, 0], [0, 1, 2, 3, 5, 8])
-  np.testing.assert_array_equal(out.v[1, 0, :6, 0, 0], -np.array([10, 11, 12, 13, 15, 18]))
+  np.testing.assert_array_equal(out.k[0, 0, 0, :6, 0], [0, 1, 2, 3, 5, 8])
+  np.testing.assert_array_equal(out.v[1, 0, 0, :6, 0], -np.array([10, 11, 12, 13, 15, 18]))
   assert int(out.lengths[0]) == 6

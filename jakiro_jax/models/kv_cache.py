@@ -3,6 +3,10 @@
 Axis letters: L layers, B batch, S cache slots (max_len), T new tokens, K kv heads,
 H head dim, N tree nodes.
 
+K and V are stored heads-major, `[L, B, K, S, H]`: the attention products batch over
+(B, K), so a layer's keys are then one contiguous `[B, K, S, H]` block. Stored slots-major,
+XLA's GPU programs transposed the whole stacked cache around every multi-token write.
+
 New tokens are always written at slots `lengths[b] + t` (t = 0..T-1); `lengths` only
 moves when the caller commits tokens. RoPE positions are passed separately, so tree
 siblings can share a position while owning distinct slots. A cache filled by a token-pruned
@@ -18,8 +22,8 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class KVCache:
-  k: jax.Array  # [L, B, S, K, H]
-  v: jax.Array  # [L, B, S, K, H]
+  k: jax.Array  # [L, B, K, S, H]
+  v: jax.Array  # [L, B, K, S, H]
   lengths: jax.Array  # [B] int32, committed tokens per row
   # [L, B, S] bool or None: slots a layer never computed (a token-pruned prefill,
   # `prune.prefill.pruned_target_prefill`); attention at that layer never reads them.
@@ -28,13 +32,13 @@ class KVCache:
   @classmethod
   def init(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
            head_dim: int, dtype=jnp.float32) -> "KVCache":
-    shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+    shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                lengths=jnp.zeros((batch,), jnp.int32))
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
   @property
   def batch(self) -> int:

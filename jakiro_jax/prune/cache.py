@@ -23,15 +23,15 @@ from jakiro_jax.models.kv_cache import slots_after
 
 @flax.struct.dataclass
 class PrunedCache:
-  k: jax.Array  # [L, B, S, K, H]
-  v: jax.Array  # [L, B, S, K, H]
+  k: jax.Array  # [L, B, K, S, H], heads-major as KVCache
+  v: jax.Array  # [L, B, K, S, H]
   valid: jax.Array  # [L, B, S] bool, slot computed at that layer
   received: jax.Array  # [L, B, S] float32, summed head-mean attention received
   lengths: jax.Array  # [B] int32, committed tokens per row
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
   @property
   def batch(self) -> int:
@@ -48,8 +48,9 @@ class PrunedCache:
 
 def new_pruned_cache(config: LlamaConfig, batch: int, max_len: int) -> PrunedCache:
   """An empty cache: no slot valid at any layer, lengths 0."""
-  shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+  shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
+  slots = (config.num_layers, batch, max_len)
   return PrunedCache(
       k=jnp.zeros(shape, config.dtype), v=jnp.zeros(shape, config.dtype),
-      valid=jnp.zeros(shape[:3], bool), received=jnp.zeros(shape[:3], jnp.float32),
+      valid=jnp.zeros(slots, bool), received=jnp.zeros(slots, jnp.float32),
       lengths=jnp.zeros((batch,), jnp.int32))

@@ -27,7 +27,7 @@ from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
                                      rope_inverse_frequencies)
 from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.models.llama import (MLP, Llama, RMSNorm, _matmul_out_in, apply_rope,
-                                    dot_precision)
+                                    attention_values, dot_precision)
 from jakiro_jax.prune.cache import PrunedCache
 from jakiro_jax.prune.route import BlockContext, Decision, Route, fixed_route
 from jakiro_jax.prune.schedule import check_schedule
@@ -91,16 +91,15 @@ def project_qkv(attn_params: Mapping[str, Any], config: LlamaConfig, h: jax.Arra
 
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
            head_dim: int):
-  """q `[B, T, K, G, H]` over keys/values `[B, S, K, H]` with mask `[B, T, S]`.
+  """q `[B, T, K, G, H]` over keys/values `[B, K, S, H]` with mask `[B, T, S]`.
 
   Returns (out `[B, T, K, G, H]`, probs `[B, K, G, T, S]`), the dense model's maths."""
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys,
+  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, keys,
                       precision=dot_precision(q, keys)).astype(jnp.float32)
   scores = scores * (head_dim ** -0.5)
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values,
-                   precision=dot_precision(probs, values))
+  out = attention_values(probs, values)
   return out, probs
 
 
@@ -145,8 +144,8 @@ def _masked_block(layer_params, config: LlamaConfig, layer: int, x: jax.Array,
   slots = cache.write_slots(num_new)  # [B, T]
   # Skipped tokens write no K/V: their writes go to slot S, which "drop" discards.
   write = jnp.where(keep, slots, cache.max_len)
-  k_all = cache.k.at[layer, rows, write].set(k_new.astype(cache.k.dtype), mode="drop")
-  v_all = cache.v.at[layer, rows, write].set(v_new.astype(cache.v.dtype), mode="drop")
+  k_all = cache.k.at[layer, rows, :, write].set(k_new.astype(cache.k.dtype), mode="drop")
+  v_all = cache.v.at[layer, rows, :, write].set(v_new.astype(cache.v.dtype), mode="drop")
   # This call's slots are (re)marked, clearing stale bits of a reused slot.
   valid = cache.valid[layer].at[rows, slots].set(keep, mode="drop")  # [B, S]
 

@@ -52,7 +52,9 @@ def _gathered_block(layer_params, config: LlamaConfig, layer: int, x: jax.Array,
   ps = positions[rows, idx]  # [B, k]
   h = rms_norm(layer_params["input_norm"], config, xs)
   q, k_new, v_new = project_qkv(layer_params["attn"], config, h, ps)
-  k_new, v_new = k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype)
+  # [B, k, K, H] -> heads-major [B, K, k, H], the cache's order
+  k_new = k_new.astype(cache.k.dtype).swapaxes(1, 2)
+  v_new = v_new.astype(cache.v.dtype).swapaxes(1, 2)
 
   # Attention over the kept set only: causal by position, extra (not kept) rows masked.
   mask = (ps[:, None, :] <= ps[:, :, None]) & sel_keep[:, None, :]  # [B, k, k]
@@ -65,15 +67,16 @@ def _gathered_block(layer_params, config: LlamaConfig, layer: int, x: jax.Array,
   # This call owns slots 0..T-1: scatter into [B, T] buffers (not kept -> index T, dropped),
   # then write them as static slices of the layer's cache.
   write = jnp.where(sel_keep, idx, num_new)
-  kv = jnp.zeros((batch, num_new, 2) + k_new.shape[2:], k_new.dtype)
-  kv = kv.at[rows, write].set(jnp.stack([k_new, v_new], axis=2), mode="drop")
+  kv = jnp.zeros((batch, num_new, 2, k_new.shape[1], k_new.shape[3]), k_new.dtype)
+  kv = kv.at[rows, write].set(jnp.stack([k_new, v_new], axis=2).swapaxes(1, 3),
+                              mode="drop")  # [B, T, 2, K, H]
   computed = jnp.zeros((batch, num_new), bool).at[rows, write].set(True, mode="drop")
   received = jnp.zeros((batch, num_new), jnp.float32).at[rows, write].set(
       received_attention(probs, sel_keep), mode="drop")
   pad = cache.max_len - num_new
   cache = cache.replace(
-      k=cache.k.at[layer, :, :num_new].set(kv[:, :, 0]),
-      v=cache.v.at[layer, :, :num_new].set(kv[:, :, 1]),
+      k=cache.k.at[layer, :, :, :num_new].set(kv[:, :, 0].swapaxes(1, 2)),
+      v=cache.v.at[layer, :, :, :num_new].set(kv[:, :, 1].swapaxes(1, 2)),
       valid=cache.valid.at[layer].set(jnp.pad(computed, ((0, 0), (0, pad)))),
       received=cache.received.at[layer].set(jnp.pad(received, ((0, 0), (0, pad)))))
   xs = block_update(layer_params, config, xs, attn_out, sel_gate)
@@ -180,8 +183,9 @@ def pruned_target_prefill(params, config: LlamaConfig, prompt: jax.Array,
   decisions.
   """
   batch = prompt.shape[0]
-  pruned = PrunedCache(k=cache.k, v=cache.v, valid=jnp.zeros(cache.k.shape[:3], bool),
-                       received=jnp.zeros(cache.k.shape[:3], jnp.float32),
+  slots = (cache.k.shape[0], batch, cache.max_len)  # [L, B, S]
+  pruned = PrunedCache(k=cache.k, v=cache.v, valid=jnp.zeros(slots, bool),
+                       received=jnp.zeros(slots, jnp.float32),
                        lengths=jnp.zeros((batch,), jnp.int32))
   logits, out = prefill_gathered(params, config, prompt, pruned, routers.static_route(schedule),
                                  schedule, lengths=prompt_lengths)

@@ -106,6 +106,7 @@ def commit_path(cache: KVCache, path: jax.Array, advance: jax.Array) -> KVCache:
   offsets = jnp.arange(path.shape[1], dtype=jnp.int32)[None]
   source = cache.lengths[:, None] + path
   dest = cache.lengths[:, None] + offsets
-  k = cache.k.at[:, rows, dest].set(cache.k[:, rows, source], mode="drop")
-  v = cache.v.at[:, rows, dest].set(cache.v[:, rows, source], mode="drop")
+  # [B, W] indices around the heads slice: gathered and written as [B, W, L, K, H].
+  k = cache.k.at[:, rows, :, dest].set(cache.k[:, rows, :, source], mode="drop")
+  v = cache.v.at[:, rows, :, dest].set(cache.v[:, rows, :, source], mode="drop")
   return cache.replace(k=k, v=v, lengths=cache.lengths + advance)
