@@ -141,14 +141,21 @@ class Attention(nn.Module):
                                                        mode="drop")
     v_all = cache.v.at[self.layer, rows, :, slots].set(v_new.astype(cache.v.dtype),
                                                        mode="drop")
-    keys, values = k_all[self.layer], v_all[self.layer]  # [B, K, S, H]
+    # A mask narrower than the cache ([B, T, S'], S' <= S) attends to the first S' slots
+    # only: a prefill into an empty cache, whose other slots are masked anyway and whose
+    # scores would cost memory passes (a third of gen_data's bytes at batch 384).
+    seen = mask.shape[-1]
+    if seen > cache.max_len:
+      raise ValueError(f"mask over {seen} slots for a cache of {cache.max_len}")
+    keys = k_all[self.layer, :, :, :seen]  # [B, K, S', H]
+    values = v_all[self.layer, :, :, :seen]
     if cache.skipped is not None:
-      mask = mask & ~cache.skipped[self.layer][:, None, :]
+      mask = mask & ~cache.skipped[self.layer][:, None, :seen]
     window = cfg.window_of(self.layer)
     if window is not None:
       # Committed slot s holds position s; this call's tokens sit at their positions.
-      key_positions = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32),
-                                       (x.shape[0], cache.max_len))
+      key_positions = jnp.broadcast_to(jnp.arange(seen, dtype=jnp.int32),
+                                       (x.shape[0], seen))
       key_positions = key_positions.at[rows, slots].set(positions, mode="drop")
       mask = mask & (key_positions[:, None, :] > positions[:, :, None] - window)
 
@@ -227,7 +234,8 @@ class Llama(nn.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
                mask: jax.Array, compute_logits: bool = True):
-    """tokens, positions `[B, T]` int32; mask `[B, T, S]` bool.
+    """tokens, positions `[B, T]` int32; mask `[B, T, S]` bool, or `[B, T, S']` to attend
+    to the first S' slots only.
 
     Returns `(logits [B, T, V] or None, features [B, T, D], cache)`.
     """

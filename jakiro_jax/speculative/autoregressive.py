@@ -52,7 +52,8 @@ def prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
   batch, prompt_len = prompt.shape
   cache = cache.replace(lengths=jnp.zeros((batch,), jnp.int32))
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompt.shape)
-  mask = causal_mask(cache.lengths, prompt_len, cache.max_len)
+  # The cache is empty: the prompt attends to its own P slots only.
+  mask = causal_mask(cache.lengths, prompt_len, prompt_len)
   _, features, cache = model.apply(params, prompt, positions, cache, mask,
                                    compute_logits=False)
   last = features[jnp.arange(batch), prompt_lengths - 1]  # [B, D]
