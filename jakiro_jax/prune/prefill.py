@@ -52,29 +52,27 @@ def _gathered_block(layer_params, config: LlamaConfig, layer: int, x: jax.Array,
   ps = positions[rows, idx]  # [B, k]
   h = rms_norm(layer_params["input_norm"], config, xs)
   q, k_new, v_new = project_qkv(layer_params["attn"], config, h, ps)
-  # [B, k, K, H] -> heads-major [B, K, k, H], the cache's order
-  k_new = k_new.astype(cache.k.dtype).swapaxes(1, 2)
-  v_new = v_new.astype(cache.v.dtype).swapaxes(1, 2)
+  k_new, v_new = k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype)  # [B, k, K, H]
 
   # Attention over the kept set only: causal by position, extra (not kept) rows masked.
   mask = (ps[:, None, :] <= ps[:, :, None]) & sel_keep[:, None, :]  # [B, k, k]
   window = config.window_of(layer)
   if window is not None:
     mask = mask & (ps[:, None, :] > ps[:, :, None] - window)
-  out, probs = attend(q, k_new, v_new, mask, config.head_dim)
+  out, probs = attend(q, k_new.swapaxes(1, 2), v_new.swapaxes(1, 2), mask, config.head_dim)
   attn_out = output_projection(layer_params["attn"], config, out)
 
   # This call owns slots 0..T-1: scatter into [B, T] buffers (not kept -> index T, dropped),
   # then write them as static slices of the layer's cache.
   write = jnp.where(sel_keep, idx, num_new)
-  kv = jnp.zeros((batch, num_new, 2, k_new.shape[1], k_new.shape[3]), k_new.dtype)
-  kv = kv.at[rows, write].set(jnp.stack([k_new, v_new], axis=2).swapaxes(1, 3),
-                              mode="drop")  # [B, T, 2, K, H]
+  kv = jnp.zeros((batch, num_new, 2) + k_new.shape[2:], k_new.dtype)
+  kv = kv.at[rows, write].set(jnp.stack([k_new, v_new], axis=2), mode="drop")
   computed = jnp.zeros((batch, num_new), bool).at[rows, write].set(True, mode="drop")
   received = jnp.zeros((batch, num_new), jnp.float32).at[rows, write].set(
       received_attention(probs, sel_keep), mode="drop")
   pad = cache.max_len - num_new
   cache = cache.replace(
+      # [B, T, K, H] -> the cache's heads-major [B, K, T, H]
       k=cache.k.at[layer, :, :, :num_new].set(kv[:, :, 0].swapaxes(1, 2)),
       v=cache.v.at[layer, :, :, :num_new].set(kv[:, :, 1].swapaxes(1, 2)),
       valid=cache.valid.at[layer].set(jnp.pad(computed, ((0, 0), (0, pad)))),

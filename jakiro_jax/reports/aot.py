@@ -201,8 +201,9 @@ def platform(device: str, devices: int = 1, log_path: str | None = None) -> Plat
                                             target_config=h100_description())
     except Exception as e:  # noqa: BLE001 - the plugin raises plain RuntimeErrors
       raise AotUnavailable(
-          f"cannot make compile-only {device.upper()}s ({type(e).__name__}: {e}); install the CUDA "
-          f"plugin with `pip install -e \".[aot]\"` and run with JAX_PLATFORMS=cpu") from None
+          f"cannot make compile-only {device.upper()}s ({type(e).__name__}: {e}); install "
+          f"the CUDA plugin with `pip install -e \".[aot]\"` and run with "
+          f"JAX_PLATFORMS=cpu") from None
     return Platform(device, f"{device} x{devices}", topology, tuple(topo.devices))
   name = tpu_topology_name(device)
   try:
