@@ -11,8 +11,7 @@ from jakiro_jax.train.trainer import default_config
 
 
 def get_config():
-  c = cpu_training(default_config())
-  c.method = "gumiho"
+  c = cpu_training(default_config("gumiho"))
   # 1 serial step + 5 MLP levels, the paper's tree (it sets the validation chain).
   c.drafts.gumiho = dict(tree=dict(top_k=14, depth=6, total_tokens=64), mlp_num=5,
                          mlp_topk=35, pruning=35)

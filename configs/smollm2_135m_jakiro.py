@@ -11,8 +11,7 @@ from jakiro_jax.train.trainer import default_config
 
 
 def get_config():
-  c = cpu_training(default_config())
-  c.method = "jakiro"
+  c = cpu_training(default_config("jakiro"))
   c.drafts.jakiro = dict(tree=dict(top_k=10, depth=5, total_tokens=60))
   # lr 3e-4 (configs/smollm2_135m_cpu.py); spec: 9e-5, cosine, 2000 warm-up steps
   c.weight_decay = 1e-3  # spec

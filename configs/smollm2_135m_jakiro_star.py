@@ -8,13 +8,12 @@ by one. Spec recipe (Jakiro*, 7B on GPUs) in the comments; the values here suit 
 """
 
 from configs.smollm2_135m_cpu import cpu_training
-from jakiro_jax.speculative.static_tree import JAKIRO_STAR_CHOICES
+from jakiro_jax.drafts.jakiro_star import JAKIRO_STAR_CHOICES
 from jakiro_jax.train.trainer import default_config
 
 
 def get_config():
-  c = cpu_training(default_config())
-  c.method = "jakiro_star"
+  c = cpu_training(default_config("jakiro_star"))
   # The static tree of configs/smollm2_135m.py; the tree sizes follow from it.
   c.drafts.jakiro_star = dict(choices=[list(choice) for choice in JAKIRO_STAR_CHOICES])
   # lr 3e-4 (configs/smollm2_135m_cpu.py); spec: 9e-5, linear warm-up 2000 then linear decay

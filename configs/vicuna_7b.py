@@ -9,5 +9,5 @@
 from configs.real_targets import real_target_config
 
 
-def get_config(method: str = "jakiro"):
+def get_config(method: str | None = None):  # None: the registry's default method
   return real_target_config("/path/to/vicuna-7b-v1.3", method)

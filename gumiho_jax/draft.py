@@ -20,23 +20,24 @@ siblings attend to each other (causal mask) instead of only to their own ancesto
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.drafts.base import (Chain, DraftHead, RoundInputs, TargetHead,
-                                   add_unrolled_losses, fc_params, fuse_token_and_feature)
+from jakiro_jax.drafts.base import (Chain, DraftHead, add_unrolled_losses, fc_params,
+                                    fuse_token_and_feature)
+from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
-from jakiro_jax.models.llama import DecoderLayer, _matmul_out_in, _weight
+from jakiro_jax.models.llama import DecoderLayer, matmul_out_in, weight_param
 from jakiro_jax.speculative.tree import (Candidates, TreeConfig, build_tree, level_one,
                                          next_frontier, topk_level)
-from jakiro_jax.train.collate import shift_positions
-from jakiro_jax.train.losses import feature_losses
+from jakiro_jax.drafts.losses import shift_positions
+from jakiro_jax.drafts.losses import feature_losses
 from gumiho_jax.fta import accept_rows_greedy, full_tree_attention
-from gumiho_jax.losses import gumiho_loss
+from gumiho_jax.losses import GumihoLossSettings, gumiho_loss
 
 MLP_BLOCKS = 6
 # The paper's tree (and the original code's defaults, with mlp_num 5, mlp_topk 35,
@@ -86,11 +87,11 @@ class MLPHead(nn.Module):
     d = self.hidden_size
     x = z
     for j in range(MLP_BLOCKS):
-      w = _weight(self, f"block_{j}", (d, 2 * d if j == 0 else d), ("embed", None),
+      w = weight_param(self, f"block_{j}", (d, 2 * d if j == 0 else d), ("embed", None),
                   self.dtype, nn.initializers.zeros)  # zero init, as the original
-      b = _weight(self, f"block_{j}_bias", (d,), ("embed",), self.dtype,
+      b = weight_param(self, f"block_{j}_bias", (d,), ("embed",), self.dtype,
                   nn.initializers.normal(0.02))
-      y = jax.nn.silu(_matmul_out_in(x, w, 1) + b)
+      y = jax.nn.silu(matmul_out_in(x, w, 1) + b)
       x = y if j == 0 else x + y
     return x
 
@@ -111,6 +112,8 @@ class GumihoDrafter(DraftHead):
                                                   "pruning")
   torch_layout: ClassVar = None  # gumiho_jax/export.py sets it
   init_method: ClassVar[str] = "init_all"  # the serial layers and the MLP heads
+  loss_settings: ClassVar[type] = GumihoLossSettings
+  measured_tau: ClassVar[dict[str, float]] = {"config": 2.19, "papers": 2.62}
 
   def __post_init__(self):
     serial = self.tree.depth - self.mlp_num
@@ -163,23 +166,24 @@ class GumihoDrafter(DraftHead):
                                method=GumihoDraft.parallel)
 
   def draft(self, inputs: RoundInputs):
-    candidates = self.expand(inputs)
-    return build_tree(candidates, inputs.root, self.tree.total_tokens, self.tree.depth + 1)
+    candidates, cache = self.expand(inputs)
+    tree = build_tree(candidates, inputs.root, self.tree.total_tokens, self.tree.depth + 1)
+    return tree, cache
 
-  def expand(self, inputs: RoundInputs) -> Candidates:
+  def expand(self, inputs: RoundInputs) -> tuple[Candidates, Any]:
     head, hidden_root = inputs.head, inputs.carried_root
     k, batch = self.tree.top_k, hidden_root.shape[0]
     slots = self.serial_steps * k
     frontier = level_one(self.log_probs(head, hidden_root), hidden_root, k, slots)
     pool_tokens, pool_scores = [frontier.tokens], [frontier.scores]
     pool_parent = [jnp.full((batch, k), -1, jnp.int32)]
-    previous = frontier
+    previous, cache = frontier, inputs.cache
     for i in range(self.serial_steps):
       if self.reference_parity:  # siblings see each other: causal among this step's nodes
         causal = jnp.tril(jnp.ones((k, k), bool))
         ancestor = jnp.zeros((batch, k, slots), bool).at[:, :, i * k:(i + 1) * k].set(causal)
         frontier = frontier.replace(ancestor=ancestor)
-      hidden = inputs.run_forward(i, frontier)
+      hidden, cache = inputs.run_forward(i, frontier, cache)
       child_scores, child_tokens = topk_level(self.log_probs(head, hidden), k)
       cumulative = (child_scores + frontier.scores[:, :, None]).reshape(batch, k * k)
       previous, frontier = frontier, next_frontier(
@@ -221,7 +225,7 @@ class GumihoDrafter(DraftHead):
       next_id += p
     return Candidates(tokens=jnp.concatenate(pool_tokens, axis=1),
                       scores=jnp.concatenate(pool_scores, axis=1),
-                      parent=jnp.concatenate(pool_parent, axis=1))
+                      parent=jnp.concatenate(pool_parent, axis=1)), cache
 
   # Training ---------------------------------------------------------------------------
 
@@ -313,3 +317,15 @@ class GumihoDrafter(DraftHead):
   @classmethod
   def papers_tree(cls):
     return DEFAULT_TREE, {"mlp_topk": 35, "pruning": 35}
+
+  @classmethod
+  def small_tree(cls):
+    # 1 serial step + 5 MLP levels, 4 children per node, 4 kept per level
+    return TreeConfig(top_k=4, depth=6, total_tokens=12), {"mlp_num": 5, "mlp_topk": 4,
+                                                           "pruning": 4}
+
+  @classmethod
+  def training_recipe(cls) -> dict:
+    # Gumiho's spec: AdamW 2e-4, 200 warm-up steps, wd 0, gradient-norm clipping 0.5
+    return dict(lr=2e-4, warmup_steps=200, weight_decay=0.0, num_epochs=20.0,
+                clip_mode="global_norm", clip=0.5)

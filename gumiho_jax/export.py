@@ -13,7 +13,7 @@ from typing import Mapping
 
 import numpy as np
 
-import jakiro_jax.export.torch_layout as tl
+import jakiro_jax.drafts.torch_layout as tl
 from jakiro_jax.speculative.tree import TreeConfig
 from gumiho_jax.draft import DEFAULT_TREE, MLP_BLOCKS, GumihoDrafter
 

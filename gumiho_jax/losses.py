@@ -5,7 +5,25 @@ Axis letters: M MLP heads, B batch, T positions, D hidden.
 
 from __future__ import annotations
 
-from jakiro_jax.train.losses import feature_losses, target_distribution
+import dataclasses
+
+from jakiro_jax.drafts.losses import (LossSettings, feature_losses, phase_field,
+                                      target_distribution)
+
+
+@dataclasses.dataclass(frozen=True)
+class GumihoLossSettings(LossSettings):
+  """Gumiho's weights: the shared ones (the serial Transformer's terms) plus the MLP
+  heads'."""
+  mlp_v_weight: float = 1.0  # MLP heads, divided by mlp_loss_weight
+  mlp_p_weight: float = 0.1
+  mlp_p_start_epoch: int = 2  # the MLP cross-entropy weight is 0 before this epoch
+  mlp_loss_weight: float = 9.0
+  mlp_decay: float = 0.8  # head i weighted decay^(i+1)
+  # The MLP cross-entropy on/off as a static choice (`GumihoDrafter.loss_phase`: the
+  # trainer compiles one step per phase, so the weight-0 epochs skip the heads' lm_head
+  # work); None: decided from the traced epoch, computing the terms always.
+  mlp_ce: bool | None = phase_field()
 
 
 def gumiho_loss(serial, mlp_outputs, target_features, loss_mask, head_fn, *, v_weight=1.0,

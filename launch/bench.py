@@ -11,9 +11,11 @@ steady-state rate. With --compare_hf the same weights run in a plain transformer
 The report records the device the numbers come from (`device_kind`, `platform`; also
 printed on stderr).
 
-Speculative methods (`--method=eagle2|jakiro|jakiro_star|gumiho [--draft=DIR|random] [--top_k
---depth --total_tokens] [--fta] [--reference_parity]`; jakiro_star takes its static tree from
-the config's `drafts.jakiro_star.choices`, not from the tree flags) also run our AR loop on the same questions in the same process and report
+Speculative methods (`--method=NAME [--draft=DIR|random] [--top_k --depth --total_tokens]
+[--reference_parity]`; a method's options are the config's, e.g.
+`--config.drafts.gumiho.fta=true`; a method whose tree follows from its options takes it
+from the config, not from the tree flags) also run our AR loop on the same questions in
+the same process and report
 tau (mean tokens per verification forward, bonus included), rounds, ar_tokens_per_s,
 speedup (tokens/s ratio) and greedy_mismatches (questions whose tokens differ from AR's at
 T=0), plus draft_forwards_per_round and draft_time_share (drafting vs verification, timed
@@ -36,8 +38,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from jakiro_jax.drafts import registry
-from launch.lib.benchmark import (ar_baseline, base_report, read_questions, resolve_draft,
-                                  spec_report, tree_and_options)
+from jakiro_jax.reports.benchmark import ar_baseline, base_report, read_questions, spec_report
+from jakiro_jax.drafts.io import resolve_draft
+from jakiro_jax.drafts.registry import tree_and_options
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
@@ -50,13 +53,10 @@ _DRAFT = flags.DEFINE_string(
 _TOP_K_TREE = flags.DEFINE_integer("top_k", None, "Tree: children per node (config).")
 _DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the context (config).")
 _TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round (config).")
-_FTA = flags.DEFINE_bool(
-    "fta", False, "Gumiho: Full Tree Attention. Not target-preserving (greedy output can "
-    "differ from the target's); greedy_mismatches in the report shows by how much.")
 _REFERENCE_PARITY = flags.DEFINE_bool(
-    "reference_parity", False, "jakiro / jakiro_star: behave as the original code. For "
-    "jakiro_star at T > 0 that is its acceptance rule, which is NOT lossless (it inflates "
-    "tau); at T = 0 both are the same lossless greedy drafting.")
+    "reference_parity", False, "Methods with a reference_parity option: behave as the "
+    "original code (for some, at T > 0, a rule that is NOT lossless; see the method's "
+    "docstring).")
 _QUESTIONS = flags.DEFINE_string("questions", None, "FastChat-format .jsonl questions.")
 _MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 10, "Questions to use (first N).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per question.")
@@ -148,7 +148,7 @@ def main(argv):
   questions = read_questions(_QUESTIONS.value, _MAX_QUESTIONS.value)
   try:
     tree, options = (None, {}) if _METHOD.value == "ar" else tree_and_options(
-        _CONFIG.value, _METHOD.value, fta=_FTA.value, reference_parity=_REFERENCE_PARITY.value,
+        _CONFIG.value, _METHOD.value, reference_parity=_REFERENCE_PARITY.value,
         top_k=_TOP_K_TREE.value, depth=_DEPTH.value, total_tokens=_TOTAL.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None

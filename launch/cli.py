@@ -97,7 +97,7 @@ def require_draft(draft: str, method: str | None = None) -> None:
 
 def print_device() -> dict:
   """Says on stderr which device the numbers come from; returns `device_info()`."""
-  from launch.lib.device_report import device_info
+  from jakiro_jax.reports.device_report import device_info
   device = device_info()
   print(f"device: {device['device_kind']} ({device['platform']}, {device['device_count']} "
         f"device(s))", file=sys.stderr)

@@ -58,14 +58,17 @@ _VOCAB_BLOCKS = flags.DEFINE_integer("vocab_blocks", None, "Blocks of the drafts
                                      "vocabulary top-k (default: as on an accelerator; 1: "
                                      "one top-k over the whole vocabulary).")
 
-# tau we measured (SmolLM2-135M target, shipped drafts, T = 0, pooled over the five
-# evaluation files, README "Results"; jakiro_star at T = 1, no T = 0 run): the
-# projections' input, not a claim about larger targets, whose drafts accept more.
-MEASURED_TAU = {
-    "config": {"eagle2": 2.15, "jakiro": 2.09, "gumiho": 2.19, "lookup": 1.63,
-               "jakiro_star": 1.38},
-    "papers": {"eagle2": 2.57, "jakiro": 2.49, "gumiho": 2.62},
-}
+
+
+def measured_tau() -> dict[str, dict[str, float]]:
+  """tree set -> method -> the tau each method measured with its shipped SmolLM2 draft
+  (`measured_tau`): the projections' input, not a claim about larger targets."""
+  from jakiro_jax.drafts import registry
+  table: dict[str, dict[str, float]] = {}
+  for name in registry.names():
+    for tree_set, tau in registry.get(name).measured_tau.items():
+      table.setdefault(tree_set, {})[name] = tau
+  return table
 
 TARGET_CONFIGS = {"vicuna_7b": "configs.vicuna_7b", "llama2_7b": "configs.llama2_chat_7b",
                   "llama31_8b": "configs.llama31_8b", "qwen2_7b": "configs.qwen2_7b",
@@ -74,10 +77,11 @@ TARGET_CONFIGS = {"vicuna_7b": "configs.vicuna_7b", "llama2_7b": "configs.llama2
 
 def drafts_of(target: str, config) -> dict:
   """The `drafts` blocks that set the config trees."""
+  from jakiro_jax.drafts import registry
   if config is None:
     module = importlib.import_module(TARGET_CONFIGS.get(target, "configs.real_targets"))
     config = (module.get_config() if hasattr(module, "get_config")
-              else module.real_target_config(target, "eagle2"))
+              else module.real_target_config(target, registry.DEFAULT_METHOD))
   drafts = config.get("drafts")
   return {} if drafts is None else (drafts.to_dict() if hasattr(drafts, "to_dict")
                                     else dict(drafts))
@@ -124,7 +128,7 @@ def main(argv):
   try:
     report = cr.run_report(settings, _OUT.value,
                            progress=lambda line: print(line, file=sys.stderr, flush=True),
-                           tau=MEASURED_TAU)
+                           tau=measured_tau())
   except aot.AotUnavailable as e:
     raise app.UsageError(str(e)) from None
   print(cr.markdown(report))

@@ -3,14 +3,14 @@
   python -m launch.device_report --out=DIR [--config=configs/smollm2_135m.py] \
       [--size=auto|cpu|full] [--sections=ar_decode,speculative,peers,scale] \
       [--methods=eagle2,jakiro,jakiro_star,gumiho,lookup] [--questions_dir=../shared/data/eval] \
-      [--peer_repos=DIR] [--time_budget_s=S] [--fresh]
+      [--time_budget_s=S] [--fresh]
 
-Sections (`launch/lib/device_report.py`): a. ar_decode (AR step per dtype / batch /
+Sections (`jakiro_jax/reports/device_report.py`): a. ar_decode (AR step per dtype / batch /
 cache size vs the copy-bandwidth floor, loop overhead), b. speculative (shipped drafts on
 the first questions of each evaluation file, T = 0 and 1, config / papers / tuned trees),
-c. peers (transformers generate, eager and static cache + torch.compile; the original
-PyTorch code's hook), d. scale (a Llama-2-7B-shaped random bf16 target made on the device:
-AR step, verify over N nodes, an EAGLE-2 draft forward, projected speedups).
+c. peers (transformers generate, eager and static cache + torch.compile), d. scale (a
+Llama-2-7B-shaped random bf16 target made on the device: AR step, verify over N nodes, an
+EAGLE-2 draft forward, projected speedups).
 
 --size=auto is `cpu` on the CPU backend (small settings, about ten minutes on two cores)
 and `full` otherwise. On `full` a time budget (default 510 s, --time_budget_s=0 for none)
@@ -53,8 +53,6 @@ _N_QUESTIONS = flags.DEFINE_integer("n_questions", None,
                                     "First N questions of each file (cpu 1, full 3).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None,
                                 "New tokens per question (cpu 32, full 96).")
-_PEER_REPOS = flags.DEFINE_string("peer_repos", None, "Directory holding checkouts of the "
-                                  "original EAGLE / Jakiro / Gumiho code.")
 _STATIC_COMPILE = flags.DEFINE_bool("static_compile", True, "peers: also time transformers "
                                     "with a static cache + torch.compile.")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft for every method: None = the shipped "
@@ -108,7 +106,7 @@ def main(argv):
   unknown = set(_SECTIONS.value) - set(RUN_ORDER)
   if unknown:
     raise app.UsageError(f"unknown sections {sorted(unknown)}; known: {list(RUN_ORDER)}")
-  from launch.lib import device_report as dr
+  from jakiro_jax.reports import device_report as dr
   bad = set(_METHODS.value) - set(registry.names())
   if bad:
     raise app.UsageError(f"unknown methods {sorted(bad)}; registered: "
@@ -120,7 +118,7 @@ def main(argv):
   if cache_dir:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
 
-  from launch.lib.device_report_render import render_markdown, render_png, write_json
+  from jakiro_jax.reports.device_report_render import render_markdown, render_png, write_json
 
   config = _CONFIG.value
   size = dr.resolve_size(_SIZE.value)
@@ -151,8 +149,7 @@ def main(argv):
         _MAX_NEW.value, _DRAFT.value)
   if "peers" in wanted:
     settings["peers"] = dr.peers_settings(size, config.target, spec_files, _N_QUESTIONS.value,
-                                          _MAX_NEW.value, _PEER_REPOS.value,
-                                          _STATIC_COMPILE.value)
+                                          _MAX_NEW.value, _STATIC_COMPILE.value)
   for name in ("speculative", "peers"):  # the prompts depend on it too
     if name in settings:
       settings[name]["system_prompt"] = config.system_prompt

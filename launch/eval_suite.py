@@ -27,7 +27,7 @@ from launch import cli
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "Experiment config file.", lock_config=True)
 _QUESTIONS = flags.DEFINE_list("questions", None, "FastChat .jsonl files (one category each).")
-_METHODS = flags.DEFINE_list("methods", ["eagle2", "jakiro", "gumiho"],
+_METHODS = flags.DEFINE_list("methods", list(registry.EVAL_METHODS),
                              "Speculative methods (registered: "
                              f"{', '.join(registry.names())}), each with the draft shipped "
                              "for the target unless --drafts names one.")
@@ -38,8 +38,9 @@ _MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 10, "First N questions of
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per question.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _REFERENCE_PARITY = flags.DEFINE_bool(
-    "reference_parity", False, "Run jakiro / jakiro_star as the original code does (for "
-    "jakiro_star at T > 0 a rule that is NOT lossless); their results are written as "
+    "reference_parity", False, "Run the methods that have a reference_parity option as "
+    "the original code does (for some, at T > 0, a rule that is NOT lossless: see each "
+    "method's docstring); their results are written as "
     "`<method>_reference`, so a second run into the same --out adds them beside the "
     "default ones.")
 _OUT = flags.DEFINE_string("out", None, "Output directory of the JSON results.")
@@ -53,9 +54,10 @@ def result_path(out_dir: str, category: str, temperature: float, method: str) ->
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  from launch.lib.benchmark import (ar_baseline, base_report, load_results,
-                                        read_questions, resolve_draft, spec_report,
-                                        summary_table, tree_and_options)
+  from jakiro_jax.reports.benchmark import (ar_baseline, base_report, load_results, read_questions,
+                                            spec_report, summary_table)
+  from jakiro_jax.drafts.io import resolve_draft
+  from jakiro_jax.drafts.registry import tree_and_options
   from jakiro_jax.speculative.sampling import SamplingConfig
   from jakiro_jax.target import load_target
 

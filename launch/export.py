@@ -57,7 +57,7 @@ def export_draft(draft: str, target_source: str, method: str, out: str, dtype: s
   from jakiro_jax.drafts.io import load_draft
   from jakiro_jax.export import write_reference_dir
   from jakiro_jax.export.reference_dir import draft_vocab_warning
-  from jakiro_jax.export.torch_layout import layout_of
+  from jakiro_jax.drafts.torch_layout import layout_of
   from jakiro_jax.target import load_target
 
   check_destination(out, overwrite, "--overwrite", force)  # before the target loads

@@ -54,14 +54,15 @@ _PROMPT_IDS = flags.DEFINE_multi_string(
 
 
 def default_method(config, target_name: str, draft: str | None) -> str:
-  """The config's default_method, else the first of its `preferred_methods` with a draft
-  shipped for the target, else the AR loop (said on stderr)."""
+  """The config's default_method, else the first of its `preferred_methods` (default
+  `registry.MAIN_JOB_PREFERENCE`) with a draft shipped for the target, else the AR loop
+  (said on stderr)."""
   from jakiro_jax.drafts.io import SHIPPED_DRAFTS
   if config.get("default_method"):
     return config.default_method
   if draft is not None:
     raise app.UsageError(f"--draft needs --method ({', '.join(registry.names())})")
-  for method in config.get("preferred_methods") or registry.names():
+  for method in config.get("preferred_methods") or registry.MAIN_JOB_PREFERENCE:
     if f"{target_name}-{method}" in SHIPPED_DRAFTS:
       return method
   print(f"no trained draft ships for target {target_name!r} yet: running the "
@@ -96,7 +97,8 @@ def main(argv):
   from jakiro_jax.speculative.generate import generate
   from jakiro_jax.speculative.sampling import SamplingConfig
   from jakiro_jax.target import load_target
-  from launch.lib.benchmark import resolve_draft, tree_and_options
+  from jakiro_jax.drafts.io import resolve_draft
+  from jakiro_jax.drafts.registry import tree_and_options
 
   config = _CONFIG.value
   sampling = SamplingConfig(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
@@ -110,7 +112,7 @@ def main(argv):
                            f"{_PROMPT_IDS.value}") from None
     texts = _PROMPT_IDS.value
   elif _QUESTIONS.value:
-    from launch.lib.benchmark import read_questions
+    from jakiro_jax.reports.benchmark import read_questions
     texts = read_questions(_QUESTIONS.value, _MAX_QUESTIONS.value)
   cli.print_device()
   device = jax.devices()[0]

@@ -48,7 +48,7 @@ def main(argv):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  from launch.lib.benchmark import load_results
+  from jakiro_jax.reports.benchmark import load_results
 
   results = [r for r in load_results(_RESULTS.value)
              if "category" in r and r["temperature"] == _TEMPERATURE.value]

@@ -44,7 +44,7 @@ def main(argv):
   del argv
   cli.require_positive(length=_LENGTH.value, batch=_BATCH.value, repeats=_REPEATS.value)
   from jakiro_jax.prune.schedule import check_schedule, uniform_schedule
-  from jakiro_jax.prune.timing import time_prefill
+  from jakiro_jax.reports.prune_timing import time_prefill
   from jakiro_jax.target import load_target
 
   target = load_target(_TARGET.value, dtype=_DTYPE.value, with_tokenizer=False)

@@ -27,6 +27,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from jakiro_jax.drafts import registry
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
@@ -35,7 +36,7 @@ _QUESTIONS = flags.DEFINE_list("questions", None, "FastChat .jsonl files (one ca
 _SCHEDULES = flags.DEFINE_list("schedules", ["dense", "smollm2_s30"],
                                "Prefill schedules: dense, a shipped router name, uniform:S, "
                                "or a schedule.json / router.json path. dense comes first.")
-_METHODS = flags.DEFINE_list("methods", ["eagle2", "jakiro", "gumiho"],
+_METHODS = flags.DEFINE_list("methods", list(registry.EVAL_METHODS),
                              "Methods, each with its shipped draft for the target.")
 _MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 8, "First N questions of each file.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per question.")
@@ -59,10 +60,13 @@ def main(argv):
   from jakiro_jax import atomic_dir
   from jakiro_jax.prune.assets import static_schedule
   from jakiro_jax.prune.flops import schedule_flops
+  from jakiro_jax.prune.prefill import PrunedPrefill
   from jakiro_jax.speculative.sampling import SamplingConfig
   from jakiro_jax.target import load_target
-  from launch.lib.benchmark import (per_prompt_runs, ar_baseline, read_questions, resolve_draft,
-                                    spec_fields, spec_runs, tree_and_options)
+  from jakiro_jax.reports.benchmark import (ar_baseline, per_prompt_runs, read_questions,
+                                            spec_fields, spec_runs)
+  from jakiro_jax.drafts.io import resolve_draft
+  from jakiro_jax.drafts.registry import tree_and_options
 
   cli.require_positive(max_questions=_MAX_QUESTIONS.value, max_new_tokens=_MAX_NEW.value)
   cli.require_files(questions=_QUESTIONS.value)
@@ -93,8 +97,9 @@ def main(argv):
 
   def prefill_seconds(prompts, schedule):
     from jakiro_jax.speculative.autoregressive import generate_ar
+    prefill_fn = None if schedule is None else PrunedPrefill(schedule)
     runs = per_prompt_runs(prompts, lambda p, i: generate_ar(target, [p], 1,
-                                                         prune_schedule=schedule), "prefill")
+                                                         prefill_fn=prefill_fn), "prefill")
     return statistics.median(r.seconds for r in runs)
 
   for path in _QUESTIONS.value:
@@ -109,7 +114,7 @@ def main(argv):
         continue
       print(f"{key}: {len(prompts)} prompts, mean {mean_len:.0f} tokens", file=sys.stderr)
       ar = ar_baseline(target, prompts, _MAX_NEW.value, sampling, _SEED.value,
-                       prune_schedule=schedule)
+                       prefill_fn=None if schedule is None else PrunedPrefill(schedule))
       if dense_outputs is None:
         dense_outputs = ar["outputs"]
       agree = [agreement(d, o) for d, o in zip(dense_outputs, ar["outputs"])]
@@ -126,7 +131,8 @@ def main(argv):
           "methods": {}}
       for method, (drafter, params) in drafts.items():
         runs = spec_runs(target, drafter, params, prompts, _MAX_NEW.value, sampling,
-                         _SEED.value, prune_schedule=schedule)
+                         _SEED.value,
+                         prefill_fn=None if schedule is None else PrunedPrefill(schedule))
         fields = spec_fields(drafter, runs, ar, sampling, "shipped")
         row["methods"][method] = {
             "tau": fields["tau"], "tokens_per_s": fields["tokens_per_s"],

@@ -15,8 +15,8 @@ import pytest
 
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import init_params
-from launch.lib import device_report as dr
-from launch.lib.device_report_render import render_markdown, render_png
+from jakiro_jax.reports import device_report as dr
+from jakiro_jax.reports.device_report_render import render_markdown, render_png
 from jakiro_jax.target import Target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,15 +192,14 @@ def test_divergence_top2_gap():
 
 def test_peers_tiny(tiny_pair):
   _, target = tiny_pair
-  settings = dr.peers_settings("cpu", "tiny", ["a", "b"], 1, 8, None, static_compile=False)
+  settings = dr.peers_settings("cpu", "tiny", ["a", "b"], 1, 8, static_compile=False)
   result = dr.peers(lambda dtype: target, tiny_prompts(), settings, progress=False)
   rows = {r["key"]: r for r in result["rows"]}
   assert rows["ours_ar"]["tokens_per_s"] > 0
   assert rows["hf_eager"]["greedy_mismatches"] == 0  # same weights, same greedy tokens
   assert rows["hf_eager"]["tokens_per_s"] > 0
   assert {s["item"] for s in result["skipped"]} == {"hf_static_compile"}
-  for method in dr.ORIGINAL_CODE_METHODS:
-    assert rows[f"original/{method}"]["status"] == "not run: --peer_repos not given"
+  assert not any(key.startswith("original/") for key in rows)  # no stub rows
   markdown = render_markdown({"sections": {"peers": result}, "device": result["device"]})
   assert "transformers generate, eager" in markdown
 
@@ -209,7 +208,7 @@ def test_peers_tiny(tiny_pair):
 def test_peers_static_compile_tiny(tiny_pair):
   """transformers with a static cache + torch.compile (inductor: slow to compile on CPU)."""
   _, target = tiny_pair
-  settings = dr.peers_settings("cpu", "tiny", ["a", "b"], 1, 8, "/nonexistent/repos")
+  settings = dr.peers_settings("cpu", "tiny", ["a", "b"], 1, 8)
   result = dr.peers(lambda dtype: target, tiny_prompts(), settings, progress=False)
   rows = {r["key"]: r for r in result["rows"]}
   compiled = rows["hf_static_compile"]
@@ -218,19 +217,13 @@ def test_peers_static_compile_tiny(tiny_pair):
   assert compiled["greedy_mismatches"] == 0
   same = rows["ours_ar_compile_prompts"]  # ours on the compiled row's one prompt
   assert same["n_prompts"] == 1 and same["tokens_per_s"] > 0
-  assert rows["original/gumiho"]["status"].startswith("not implemented yet")
-
-
-def test_original_peer_placeholder():
-  with pytest.raises(NotImplementedError, match="launch.export --format=jakiro"):
-    dr.run_original_peer("jakiro", "/repos", [[1, 2]], 4)
 
 
 def test_peers_without_torch(monkeypatch):
   real = dr.importlib.util.find_spec
   monkeypatch.setattr(dr.importlib.util, "find_spec",
                       lambda name, *a: None if name == "torch" else real(name, *a))
-  settings = dr.peers_settings("cpu", "tiny", ["a"], 1, 4, None)
+  settings = dr.peers_settings("cpu", "tiny", ["a"], 1, 4)
   result = dr.peers(lambda dtype: pytest.fail("nothing is loaded without torch"),
                     {"a": [[5, 6]]}, settings)
   assert result["status"] == "not run" and "torch missing" in result["error"]

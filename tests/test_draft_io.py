@@ -72,7 +72,7 @@ def test_shipped_draft_names_resolve_to_their_directory(tmp_path, tiny_pair, mon
 def test_config_tree_options_apply_to_a_loaded_gumiho_draft(tmp_path, tiny_pair):
   """bench/eval_suite take the tree shape (incl. Gumiho's mlp_topk, pruning) from the config,
   whatever the draft was saved with; the architecture (mlp_num) must match the draft."""
-  from launch.lib.benchmark import resolve_draft
+  from jakiro_jax.drafts.io import resolve_draft
   _, target = tiny_pair
   tree = TreeConfig(top_k=3, depth=4, total_tokens=10)
   drafter = make_drafter("gumiho", target.config, tree, mlp_num=3, mlp_topk=5, pruning=5)

@@ -14,7 +14,7 @@ from jakiro_jax.speculative.autoregressive import generate_ar
 from jakiro_jax.speculative.generate import draft_tree, generate
 from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import target_from_torch
-from jakiro_jax.drafts.base import TargetHead
+from jakiro_jax.speculative.drafter import TargetHead
 
 
 def target_head(target):

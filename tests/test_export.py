@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jakiro_jax.drafts import make_drafter
-from jakiro_jax.drafts.base import TargetHead
+from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.drafts.io import load_draft, save_draft
 from jakiro_jax.export import (read_reference_dir, to_reference_state_dict,
                                write_reference_dir, write_target_hf_dir)

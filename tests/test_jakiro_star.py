@@ -19,11 +19,11 @@ from jakiro_jax.speculative.generate import draft_tree, generate
 from jakiro_jax.speculative.multidraft import (MultiDraftTree, accept_multidraft, accept_reference,
                                         draw_without_replacement)
 from jakiro_jax.speculative.sampling import SamplingConfig
-from jakiro_jax.speculative.static_tree import (JAKIRO_STAR_CHOICES, normalize_choices,
-                                                static_tree)
+from jakiro_jax.drafts.jakiro_star import JAKIRO_STAR_CHOICES
+from jakiro_jax.speculative.static_tree import normalize_choices, static_tree
 from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import target_from_torch
-from jakiro_jax.drafts.base import TargetHead
+from jakiro_jax.speculative.drafter import TargetHead
 
 
 def target_head(target):
@@ -82,7 +82,7 @@ def test_bad_choices_and_trees_are_rejected(target):
 def test_bench_options_come_from_the_config_choices():
   import importlib.util
   import os
-  from launch.lib.benchmark import tree_and_options
+  from jakiro_jax.drafts.registry import tree_and_options
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "configs", "smollm2_135m.py")
   spec = importlib.util.spec_from_file_location("smollm2_config", path)

@@ -54,9 +54,9 @@ def test_the_tree_is_a_chain_of_num_tokens(target):
   cache = drafter.new_cache(1, 16)
   _, cache = drafter.forward({}, None, jnp.array([[3, 4, 5, 3, 4]]), None, None, cache, None)
   cache = cache.replace(lengths=jnp.array([5]))
-  from jakiro_jax.drafts.base import RoundInputs
-  tree = drafter.draft(RoundInputs({}, None, None, jnp.array([4]), cache, None,
-                                   SamplingConfig(), jax.random.PRNGKey(0)))
+  from jakiro_jax.speculative.drafter import RoundInputs
+  tree, _ = drafter.draft(RoundInputs({}, None, None, jnp.array([4]), cache, None,
+                                      SamplingConfig(), jax.random.PRNGKey(0)))
   np.testing.assert_array_equal(tree.tokens, [[4, 5, 3, 4, 5]])  # "3 4" -> 5 3 4 5
   np.testing.assert_array_equal(tree.parent, [[-1, 0, 1, 2, 3]])
   np.testing.assert_array_equal(tree.depth, [[0, 1, 2, 3, 4]])

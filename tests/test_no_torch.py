@@ -44,7 +44,7 @@ PROGRAM = BLOCKER + textwrap.dedent("""
     import jakiro_jax.target
     import jakiro_jax.speculative.generate
     import jakiro_jax.speculative.autoregressive
-    import launch.lib.benchmark
+    import jakiro_jax.reports.benchmark
     import jakiro_jax.speculative.tree_tuning
     import jakiro_jax.drafts
     import jakiro_jax.drafts.io

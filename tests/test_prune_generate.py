@@ -20,6 +20,7 @@ from jakiro_jax.drafts.eagle2 import Eagle2Drafter
 from jakiro_jax.prune import model as pm
 from jakiro_jax.prune import routers
 from jakiro_jax.prune.cache import new_pruned_cache
+from jakiro_jax.prune.prefill import PrunedPrefill
 from jakiro_jax.speculative.autoregressive import generate_ar
 from jakiro_jax.speculative.generate import generate
 from jakiro_jax.speculative.tree import TreeConfig
@@ -67,43 +68,44 @@ def prompts():
 
 
 def test_pruned_ar_equals_pruned_reference_and_differs_from_dense(target, prompts):
-  pruned = generate_ar(target, prompts, NUM_NEW, prune_schedule=SCHEDULE).tokens
+  pruned = generate_ar(target, prompts, NUM_NEW, prefill_fn=PrunedPrefill(SCHEDULE)).tokens
   assert pruned == [reference(target, p) for p in prompts]
   # Padded batch rows equal the rows run alone.
-  assert [generate_ar(target, [p], NUM_NEW, prune_schedule=SCHEDULE).tokens[0]
+  assert [generate_ar(target, [p], NUM_NEW, prefill_fn=PrunedPrefill(SCHEDULE)).tokens[0]
           for p in prompts] == pruned
   assert pruned != generate_ar(target, prompts, NUM_NEW).tokens
 
 
 def test_zero_sparsity_prefill_is_the_dense_prefill(target, prompts):
   dense = generate_ar(target, prompts, NUM_NEW).tokens
-  assert generate_ar(target, prompts, NUM_NEW, prune_schedule=(0.0, 0.0)).tokens == dense
+  assert generate_ar(target, prompts, NUM_NEW, prefill_fn=PrunedPrefill((0.0, 0.0))).tokens == dense
 
 
 @pytest.mark.parametrize("tree", [TreeConfig(top_k=3, depth=3, total_tokens=8)])
 def test_speculative_after_pruned_prefill_is_lossless(target, prompts, tree):
   drafter = Eagle2Drafter(target.config, tree)
   params = drafter.init_params(jax.random.PRNGKey(0))
-  spec = generate(target, drafter, params, prompts, NUM_NEW, prune_schedule=SCHEDULE)
-  assert spec.tokens == generate_ar(target, prompts, NUM_NEW, prune_schedule=SCHEDULE).tokens
+  spec = generate(target, drafter, params, prompts, NUM_NEW, prefill_fn=PrunedPrefill(SCHEDULE))
+  pruned_ar = generate_ar(target, prompts, NUM_NEW, prefill_fn=PrunedPrefill(SCHEDULE))
+  assert spec.tokens == pruned_ar.tokens
   assert spec.rounds >= 1
 
 
 def test_gumiho_after_pruned_prefill_is_lossless(target, prompts):
   drafter, params = registered_drafter("gumiho", target.config)
-  spec = generate(target, drafter, params, prompts, NUM_NEW, prune_schedule=SCHEDULE)
+  spec = generate(target, drafter, params, prompts, NUM_NEW, prefill_fn=PrunedPrefill(SCHEDULE))
   assert spec.tokens == [reference(target, p) for p in prompts]
 
 
 def test_bad_schedules_are_refused(target, prompts):
   with pytest.raises(ValueError, match="schedule has 3 entries, the model has 2 layers"):
-    generate_ar(target, prompts, 4, prune_schedule=(0.1, 0.2, 0.3))
+    generate_ar(target, prompts, 4, prefill_fn=PrunedPrefill((0.1, 0.2, 0.3)))
   with pytest.raises(ValueError, match=r"sparsity of block 1 is 1.0; it must lie in \[0, 1\)"):
-    generate_ar(target, prompts, 4, prune_schedule=(0.1, 1.0))
+    generate_ar(target, prompts, 4, prefill_fn=PrunedPrefill((0.1, 1.0)))
   drafter = Eagle2Drafter(target.config, TreeConfig(top_k=2, depth=2, total_tokens=4))
   params = drafter.init_params(jax.random.PRNGKey(0))
   with pytest.raises(ValueError, match="runs without a mesh"):
-    generate(target, drafter, params, prompts, 4, prune_schedule=SCHEDULE, mesh=object())
+    generate(target, drafter, params, prompts, 4, prefill_fn=PrunedPrefill(SCHEDULE), mesh=object())
 
 
 def test_named_schedules(tmp_path):

@@ -11,7 +11,7 @@ from jakiro_jax.prune.cache import new_pruned_cache
 from jakiro_jax.prune.flops import block_flops, schedule_flops
 from jakiro_jax.prune.prefill import kept_indices, make_route, prefill_gathered, pruned_prefill_jit
 from jakiro_jax.prune.schedule import keep_counts
-from jakiro_jax.prune.timing import time_prefill
+from jakiro_jax.reports.prune_timing import time_prefill
 from test_prune_model import (TOL, arange_positions, decode_mask, dense, forward_mask, gathered_mask,
                               prefill_mask, random_params, routed_prefill,
                               tiny_config, tokens_of)

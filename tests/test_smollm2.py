@@ -104,7 +104,7 @@ def test_bench_cli_random_draft_is_lossless(tmp_path, method, tree):
 def test_missing_shipped_draft_says_so(smollm2, monkeypatch):
   from jakiro_jax.drafts import io
   from jakiro_jax.speculative.tree import TreeConfig
-  from launch.lib.benchmark import resolve_draft
+  from jakiro_jax.drafts.io import resolve_draft
 
   monkeypatch.setattr(io, "SHIPPED_DRAFTS", {})
   with pytest.raises(ValueError, match="no trained eagle2 draft ships for target 'smollm2'"):

@@ -34,12 +34,12 @@ from jakiro_jax.train.collate import pad_rows, shift_for_training, uniform_noise
 from jakiro_jax.train.data_order import DataOrder, split_rows
 from jakiro_jax.train.features import features_jit
 from jakiro_jax.train.metrics import count_acceptance, summarize
-from jakiro_jax.train.objectives import LossSettings
+from jakiro_jax.drafts.losses import LossSettings
 from jakiro_jax.train.trainer import StepSettings, step_loss, train
 from jakiro_jax.train.vocab_subset import frequent_tokens, head_fn_from, head_matrix
 
 from gumiho_jax.losses import gumiho_loss
-from jakiro_jax.drafts.base import TargetHead
+from jakiro_jax.speculative.drafter import TargetHead
 
 
 def target_head(target):
@@ -266,7 +266,7 @@ def test_gumiho_mlp_inputs_pairs_and_ce_switch(tiny_target, feature_set):
   @functools.partial(jax.jit, static_argnames=("ce",))
   def three(p, epoch, ce):
     serial, mlp = outputs(p)
-    traced = LossSettings(mlp_p_start_epoch=2)
+    traced = drafter.loss_settings(mlp_p_start_epoch=2)
     head = target_head(target)
     return (drafter.objective(p, head, batch, epoch, traced),
             drafter.objective(p, head, batch, epoch, dataclasses.replace(traced, mlp_ce=ce)),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jakiro_jax.train.collate import pad_rows, shift_for_training
-from jakiro_jax.train.objectives import LossSettings
+from jakiro_jax.drafts.losses import LossSettings
 from jakiro_jax.train.trainer import TrainInputError, loss_settings, train
 from jakiro_jax.train.vocab_subset import head_matrix
 
@@ -121,7 +121,7 @@ def test_no_steps_is_the_original_loss(tiny_target, feature_set):
   batch, head = _batch(rows), target_head(target)
   for method in ("eagle2", "gumiho"):
     drafter, params = _drafter(method, target)
-    settings = LossSettings(mlp_ce=True)
+    settings = drafter.loss_settings(**({"mlp_ce": True} if method == "gumiho" else {}))
     unrolled = dataclasses.replace(settings, ttt_steps=1)
 
     @jax.jit
@@ -177,7 +177,7 @@ def test_gumiho_heads_read_the_unrolled_step(tiny_target, feature_set):
   params = jax.tree.unflatten(treedef, [
       jax.random.normal(k, x.shape) * 0.05 if not x.any() else x for k, x in zip(keys, leaves)])
   batch, head = _batch(rows), target_head(target)
-  settings = LossSettings(ttt_steps=1, mlp_ce=True)
+  settings = drafter.loss_settings(ttt_steps=1, mlp_ce=True)
 
   @jax.jit
   def run(p):

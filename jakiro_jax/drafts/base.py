@@ -1,13 +1,13 @@
-"""The drafter interface, and the pieces the trained draft heads share.
+"""The pieces the trained draft heads share (`DraftHead`: fc over [embedding ; feature],
+Transformer layers with their own KV cache, candidates through the target's lm_head).
 
 Axis letters: B batch, T positions, D hidden, V vocab, K top_k, S draft cache slots.
 
-A drafter is a frozen, hashable dataclass (a static argument of the jitted loops) that
-describes one method: its parameters, how it drafts a round's tree, how the tree is
-verified, how it is trained and validated, and its PyTorch layout. `Drafter` below is the
-contract; the engine (`speculative/generate.py`, `train/`, `export/`) calls nothing
-else. The target's embedding and lm_head reach a drafter as one `TargetHead`, built once
-per generate or train call from the target's params.
+A drafter is a frozen, hashable dataclass that plays three roles, each a small
+interface: generation (`speculative.drafter.GenerationDrafter`), training
+(`train.objectives.TrainingDrafter`) and export (`drafts.torch_layout.TorchLayout`).
+Configuration and tuning (`tree_grid`, `papers_tree`, `tree_for`, `inference_options`,
+`derives_tree`) is read by the registry and the tree tuner.
 
 A method is one module with one drafter class, registered in `drafts/registry.py` (or,
 outside this package, under the `jakiro_jax.drafters` entry-point group).
@@ -16,105 +16,20 @@ outside this package, under the `jakiro_jax.drafters` entry-point group).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Protocol
+from typing import Any, ClassVar, Mapping
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache, causal_mask
-from jakiro_jax.models.llama import _matmul_out_in, _weight
+from jakiro_jax.drafts.losses import LossSettings, shift_positions
+from jakiro_jax.models.llama import matmul_out_in, weight_param
+from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import Acceptance, accept
-from jakiro_jax.train.collate import shift_positions
-
-
-@flax.struct.dataclass
-class TargetHead:
-  """The target's token embedding and lm_head: all a draft reads of the target's weights.
-
-  In training `lm_head` may be a row subset `[K, D]` (`train/vocab_subset.py`); drafting
-  always binds the full head.
-  """
-  embedding: jax.Array  # [V, D]
-  lm_head: jax.Array  # [V, D] (the embedding when the target ties them)
-
-  @classmethod
-  def of(cls, target_config: LlamaConfig, target_params, lm_head=None) -> "TargetHead":
-    params = target_params["params"]
-    embedding = params["embed_tokens"]["embedding"]
-    if lm_head is None:
-      lm_head = embedding if target_config.tie_word_embeddings else params["lm_head"]
-    return cls(embedding=embedding, lm_head=lm_head)
-
-  def embed(self, tokens: jax.Array) -> jax.Array:
-    """Token ids `[...]` -> embeddings `[..., D]`."""
-    return jnp.take(self.embedding, tokens, axis=0)
-
-  def logits(self, hidden: jax.Array) -> jax.Array:
-    """`[..., D]` -> fp32 logits `[..., V]`."""
-    return jnp.einsum("...D,VD->...V", hidden,
-                      self.lm_head.astype(hidden.dtype)).astype(jnp.float32)
-
-  def frozen(self) -> "TargetHead":
-    return jax.lax.stop_gradient(self)
-
-
-class RoundInputs(NamedTuple):
-  """What a drafter reads to draft one round (`Drafter.draft`)."""
-  params: Any  # the draft's params
-  head: TargetHead
-  carried_root: jax.Array  # the drafter's carried output after the root (`Drafter.carry`)
-  root: jax.Array  # [B] last sampled token, not yet verified
-  cache: Any  # the draft cache; lengths = committed tokens n
-  # run_forward(i, frontier) -> forward output: the draft over a frontier of at most K
-  # nodes at tree step i (RoPE position n + i, draft cache slots n + i*K ..).
-  run_forward: Callable
-  sampling: SamplingConfig
-  rng: jax.Array
-
-
-class Drafter(Protocol):
-  """What every method provides (the engine relies on nothing else).
-
-  Identity and shape
-    name                 registry name (class attribute)
-    target_config        the target config it was built for (checked against the target)
-    tree                 `TreeConfig`: top_k, depth, total_tokens (sizes the verify pass)
-    draft_vocab          token ids the draft proposes from; () = all
-    inference_options    option names that may change at load time (not learnt)
-    derives_tree         True when `tree` follows from other options (Jakiro*'s choices)
-  Parameters and caches
-    init_params(rng) / init_boxed(rng)   params (boxed: with logical axes for sharding)
-    new_cache(batch, max_len)            the draft cache (lengths [B], max_len, replace())
-    extra_cache_slots()                  slots a round uses past the committed context
-  Drafting (inside the jitted loop)
-    forward(params, head, tokens, features, positions, cache, mask) -> (output, cache)
-                         one output type per method (a pytree with leading [B, T])
-    carry(output)        what a round starts from (EAGLE-2: the hidden state)
-    draft(RoundInputs) -> Tree
-    verification_plan(tree) -> (visible [B, N, N], plan); accept(tree, plan, logits,
-                         sampling, rng) -> `Acceptance`
-    draft_forwards_per_round()
-    candidate_widths()   option -> top-k width over the vocabulary (checked against V)
-  Training
-    objective(params, head, batch, epoch, settings) -> (loss, terms)
-    loss_phase(settings, epoch) -> settings of a step's compiled phase
-    validation_chain(params, head, input_ids, features) -> top-1 tokens `[K, B, T]`
-  Configuration and tuning
-    tree_grid() -> [(TreeConfig or None, options)] candidate trees, cheapest first
-    papers_tree() -> (TreeConfig or None, options) the paper's GPU tree (classmethod)
-    tree_for(tree, options) -> the TreeConfig a drafter built with them has (classmethod)
-  Export
-    torch_layout         `export.torch_layout.TorchLayout`, or None (no PyTorch layout)
-  """
-  name: ClassVar[str]
-  target_config: LlamaConfig
-  tree: TreeConfig
-  draft_vocab: tuple[int, ...]
 
 
 def draft_layer_config(target: LlamaConfig, num_layers: int = 1, **changes) -> LlamaConfig:
@@ -127,8 +42,8 @@ def draft_layer_config(target: LlamaConfig, num_layers: int = 1, **changes) -> L
 def fc_params(module: nn.Module, cfg: LlamaConfig, fc_bias: bool):
   """The input projection's weight `[D, 2D]` and bias `[D]` (or None)."""
   d = cfg.hidden_size
-  weight = _weight(module, "fc", (d, 2 * d), ("embed", None), cfg.dtype)
-  bias = (_weight(module, "fc_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
+  weight = weight_param(module, "fc", (d, 2 * d), ("embed", None), cfg.dtype)
+  bias = (weight_param(module, "fc_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
           if fc_bias else None)
   return weight, bias
 
@@ -136,7 +51,7 @@ def fc_params(module: nn.Module, cfg: LlamaConfig, fc_bias: bool):
 def fuse_token_and_feature(embeds, features, weight, bias):
   """fc over [embedding ; feature] (embedding first): `[..., D]` x2 -> `[..., D]`."""
   x = jnp.concatenate([embeds, features.astype(embeds.dtype)], axis=-1)
-  x = _matmul_out_in(x, weight, 1)
+  x = matmul_out_in(x, weight, 1)
   return x if bias is None else x + bias
 
 
@@ -159,6 +74,11 @@ class DraftHead:
   num_layers: ClassVar[int] = 1
   derives_tree: ClassVar[bool] = False  # True: `tree` follows from other options
   init_method: ClassVar[str | None] = None  # the module method `init_boxed` traces
+  loss_settings: ClassVar[type] = LossSettings  # the method's loss weights (training)
+  # tau measured with the shipped SmolLM2 draft, by tree set ("config": the small tree,
+  # "papers": the paper's), T = 0 pooled over the five evaluation files: the compile
+  # report's projection input, not a claim about larger targets.
+  measured_tau: ClassVar[dict[str, float]] = {}
 
   @property
   def layer_config(self) -> LlamaConfig:
@@ -304,7 +224,20 @@ class DraftHead:
 
   @classmethod
   def papers_tree(cls):
+    """(tree, options) of the paper's GPU tree."""
     return TreeConfig(top_k=10, depth=5, total_tokens=60), {}
+
+  @classmethod
+  def small_tree(cls):
+    """(tree, options) of a small tree, for devices where a verify forward's cost grows
+    with every node (a CPU: 12 nodes cost about 2.3 AR steps on two cores)."""
+    return TreeConfig(top_k=4, depth=4, total_tokens=12), {}
+
+  @classmethod
+  def training_recipe(cls) -> dict:
+    """The paper's training settings for a 7B target (`trainer.default_config` keys);
+    the loss weights are `loss_settings`' defaults."""
+    return {}
 
 
 class Chain:

@@ -11,18 +11,19 @@ to the draft) and keeps the best `total_tokens - 1` candidates (`build_tree`).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import flax.linen as nn
+import flax.struct
 
-from jakiro_jax.drafts.base import (DraftHead, RoundInputs, TargetHead, fc_params,
-                                   fuse_token_and_feature)
-import jakiro_jax.export.torch_layout as tl
+from jakiro_jax.drafts.base import DraftHead, fc_params, fuse_token_and_feature
+from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
+import jakiro_jax.drafts.torch_layout as tl
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import DecoderLayer
 from jakiro_jax.speculative.tree import Tree, TreeConfig, build_tree, expand_beam
-from jakiro_jax.train.losses import feature_losses
+from jakiro_jax.drafts.losses import feature_losses
 
 
 class Eagle2Draft(nn.Module):
@@ -37,6 +38,12 @@ class Eagle2Draft(nn.Module):
     return DecoderLayer(cfg, 0, input_norm=False, name="layers_0")(x, positions, cache, mask)
 
 
+@flax.struct.dataclass
+class BeamState:
+  """What an EAGLE-2 beam carries from one tree step to the next."""
+  cache: Any  # the draft's KV cache
+
+
 @dataclasses.dataclass(frozen=True)
 class Eagle2Drafter(DraftHead):
   """Hashable description of an EAGLE-2 drafter (a static argument of the jitted loop)."""
@@ -46,19 +53,25 @@ class Eagle2Drafter(DraftHead):
   def module(self) -> Eagle2Draft:
     return Eagle2Draft(self.layer_config, self.fc_bias)
 
-  def draft(self, inputs: RoundInputs) -> Tree:
-    """The round's tree under `root [B]`: the beam, then the EAGLE-2 rerank. Drafting is
-    deterministic top-k, so `sampling` and `rng` are unused."""
-    memo = {}
-    candidates = expand_beam(
-        lambda i, frontier: self.tree_step(i, frontier, inputs, memo),
-        self.log_probs(inputs.head, inputs.carried_root), inputs.carried_root, self.tree)
-    return build_tree(candidates, inputs.root, self.tree.total_tokens, self.tree.depth + 1)
+  def draft(self, inputs: RoundInputs) -> tuple[Tree, Any]:
+    """(the round's tree under `root [B]`: the beam, then the EAGLE-2 rerank; the draft
+    cache). Drafting is deterministic top-k, so `sampling` and `rng` are unused."""
+    candidates, state = expand_beam(
+        lambda i, frontier, state: self.tree_step(i, frontier, inputs, state),
+        self.log_probs(inputs.head, inputs.carried_root), inputs.carried_root, self.tree,
+        self.beam_state(inputs))
+    tree = build_tree(candidates, inputs.root, self.tree.total_tokens, self.tree.depth + 1)
+    return tree, state.cache
 
-  def tree_step(self, i, frontier, inputs: RoundInputs, memo: dict):
-    """Tree step i: one draft forward over the frontier -> (log-probs, hidden)."""
-    hidden = self.carry(inputs.run_forward(i, frontier))
-    return self.log_probs(inputs.head, hidden), hidden
+  def beam_state(self, inputs: RoundInputs) -> "BeamState":
+    """What the beam carries from one tree step to the next, before the first."""
+    return BeamState(cache=inputs.cache)
+
+  def tree_step(self, i, frontier, inputs: RoundInputs, state: "BeamState"):
+    """Tree step i: one draft forward over the frontier -> (log-probs, hidden, state)."""
+    out, cache = inputs.run_forward(i, frontier, state.cache)
+    hidden = self.carry(out)
+    return self.log_probs(inputs.head, hidden), hidden, state.replace(cache=cache)
 
   def step_loss(self, hidden, batch, head: TargetHead, epoch, settings):
     """EAGLE: loss = v_w * vloss + p_w * ploss on the one-layer draft's outputs."""
@@ -70,6 +83,14 @@ class Eagle2Drafter(DraftHead):
     shapes = [(1, d, d + 2) for d in range(0, 5)]
     shapes += [(2, 2, 5), (2, 3, 7), (4, 4, 12), (6, 5, 26), (10, 5, 60)]
     return [(TreeConfig(*s), {}) for s in shapes]
+
+  measured_tau: ClassVar[dict[str, float]] = {"config": 2.15, "papers": 2.57}
+
+  @classmethod
+  def training_recipe(cls) -> dict:
+    # EAGLE's recipe (the reference decays linearly; cosine here)
+    return dict(lr=3e-5, warmup_steps=2000, weight_decay=0.01, num_epochs=20.0,
+                clip_mode="value", clip=0.5)
 
 
 # PyTorch layout of EAGLE's cnets1.py: fc, one layer with `layers.0.mlp.{gate,up,down}_proj`.

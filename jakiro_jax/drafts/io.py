@@ -12,7 +12,8 @@ import os
 import jax
 import numpy as np
 
-from jakiro_jax.drafts.registry import make_drafter, option_fields
+from jakiro_jax.drafts.registry import (get, has_params, inference_options, make_drafter,
+                                        option_fields, tree_and_options)
 from jakiro_jax.models.config import read_json
 from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.atomic_dir import atomic_dir, check_destination
@@ -117,3 +118,46 @@ def load_draft(source, target, tree: TreeConfig | None = None,
   check_finite(flat, f"draft {source}", allow_nonfinite)
   params = jax.tree.map(lambda a: jax.numpy.asarray(a, target.config.dtype), _unflatten(flat))
   return drafter, params
+
+
+def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
+                  options: dict | None = None):
+  """(drafter, params) from a directory, a shipped name, 'random' or the shipped default.
+
+  The tree and the method's inference options (`Drafter.inference_options`, not learnt)
+  replace what the draft was saved with; other options must match the draft."""
+  shipped = f"{target.name}-{method}"
+  if draft == "random" or (draft is None and shipped not in SHIPPED_DRAFTS):
+    drafter = make_drafter(method, target.config, tree, **(options or {}))
+    if draft == "random" or not has_params(drafter):
+      # a method without parameters (e.g. prompt lookup) needs no draft directory
+      return drafter, drafter.init_params(jax.random.PRNGKey(seed))
+    raise ValueError(f"no trained {method} draft ships for target {target.name!r} yet; "
+                     f"pass --draft=DIR, or --draft=random for an untrained (lossless, "
+                     f"slow) draft")
+  if draft is None:
+    draft = shipped
+  options = dict(options or {})
+  inference = {k: v for k, v in options.items() if k in inference_options(method)}
+  # a tree that follows from an option (Jakiro*'s choices) is re-derived from it
+  derived = get(method).derives_tree
+  drafter, params = load_draft(draft, target, None if derived and inference else tree,
+                               overrides=inference)
+  if drafter.name != method:
+    raise ValueError(f"draft {draft} is a {drafter.name} draft, not {method}")
+  saved = option_fields(drafter)
+  for name, value in options.items():  # architecture options must match the draft
+    if name not in inference and name in saved and saved[name] != value:
+      raise ValueError(f"draft {draft} has {name}={saved[name]}, the config asks for "
+                       f"{value}; set it to the draft's")
+  return drafter, params
+
+
+def draft_from_config(config, method: str, target, draft: str | None = None, seed: int = 0,
+                      **overrides):
+  """(drafter, params) of `method` for `target` from a config: the config's tree and
+  options for the method (`registry.tree_and_options`, `overrides` on top), the draft from
+  `draft` (a directory, a shipped name, "random") or the one shipped for the target.
+  The one path from a config to a drafter that the launchers and notebooks share."""
+  tree, options = tree_and_options(config, method, **overrides)
+  return resolve_draft(target, method, draft, tree, seed, options)

@@ -16,21 +16,22 @@ D+1 drafted levels cost D draft forwards instead of EAGLE-2's D+1.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.drafts.base import (Chain, RoundInputs, TargetHead, fc_params,
-                                   fuse_token_and_feature)
+from jakiro_jax.drafts.base import Chain, fc_params, fuse_token_and_feature
+from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
-import jakiro_jax.export.torch_layout as tl
+import jakiro_jax.drafts.torch_layout as tl
 from jakiro_jax.models import convert
 from jakiro_jax.models.config import LlamaConfig
-from jakiro_jax.models.llama import MLP, Attention, RMSNorm, _matmul_out_in, _weight
+from jakiro_jax.models.llama import MLP, Attention, RMSNorm, matmul_out_in, weight_param
 from jakiro_jax.speculative.tree import TreeConfig
-from jakiro_jax.train.losses import feature_losses
+from jakiro_jax.drafts.losses import LossSettings, feature_losses
 
 
 class JakiroOutput(NamedTuple):
@@ -58,8 +59,8 @@ class JakiroLayer(nn.Module):
     h, cache = Attention(cfg, 0, name="attn")(x, positions, cache, mask)
     x = x + h
     normed = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_attention_norm")(x)
-    gate = _weight(self, "gate", (4, cfg.hidden_size), (None, "embed"), cfg.dtype)
-    gate_logits = _matmul_out_in(normed, gate, 1)  # [B, T, 4]
+    gate = weight_param(self, "gate", (4, cfg.hidden_size), (None, "embed"), cfg.dtype)
+    gate_logits = matmul_out_in(normed, gate, 1)  # [B, T, 4]
     experts = [MLP(cfg.hidden_size, cfg.hidden_size, cfg.dtype, name=f"experts_{e}")(normed)
                for e in range(2)]
     left, right = moe_outputs(gate_logits, *experts)
@@ -77,6 +78,21 @@ class JakiroDraft(nn.Module):
     return JakiroLayer(self.config, name="layers_0")(x, positions, cache, mask)
 
 
+@flax.struct.dataclass
+class JakiroBeamState:
+  """What Jakiro's beam carries from one tree step to the next: the draft cache, and the
+  right output's log-probs `[B, K, V]` of the hybrid step (None before it), which the
+  last level is drawn from without a forward of its own."""
+  cache: Any
+  right_logp: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class JakiroLossSettings(LossSettings):
+  """Jakiro's weights: the shared ones plus the contrastive R_t -> f_{t+2} terms'."""
+  contrast_weight: float = 0.5
+
+
 @dataclasses.dataclass(frozen=True)
 class JakiroDrafter(Eagle2Drafter):
   """The EAGLE-2 beam with Jakiro's hybrid last step. `reference_parity=True` attaches the
@@ -87,6 +103,8 @@ class JakiroDrafter(Eagle2Drafter):
   name: ClassVar[str] = "jakiro"
   inference_options: ClassVar[tuple[str, ...]] = ("reference_parity",)
   torch_layout: ClassVar[tl.TorchLayout]  # set below the class
+  loss_settings: ClassVar[type] = JakiroLossSettings
+  measured_tau: ClassVar[dict[str, float]] = {"config": 2.09, "papers": 2.49}
 
   def __post_init__(self):
     if self.tree.depth < 2:
@@ -98,25 +116,30 @@ class JakiroDrafter(Eagle2Drafter):
   def carry(self, output: JakiroOutput):
     return output.left
 
-  def tree_step(self, i, frontier, inputs: RoundInputs, memo: dict):
+  def beam_state(self, inputs: RoundInputs) -> "JakiroBeamState":
+    return JakiroBeamState(cache=inputs.cache, right_logp=None)
+
+  def tree_step(self, i, frontier, inputs: RoundInputs, state: "JakiroBeamState"):
     depth = self.tree.depth
     if i < depth - 2:
-      return super().tree_step(i, frontier, inputs, memo)
+      return super().tree_step(i, frontier, inputs, state)
     if i == depth - 2:  # one forward, two levels
-      out = inputs.run_forward(i, frontier)
-      memo["right_logp"] = self.log_probs(inputs.head, out.right)  # rows: this frontier
-      return self.log_probs(inputs.head, out.left), out.left
+      out, cache = inputs.run_forward(i, frontier, state.cache)
+      right_logp = self.log_probs(inputs.head, out.right)  # rows: this frontier
+      return (self.log_probs(inputs.head, out.left), out.left,
+              state.replace(cache=cache, right_logp=right_logp))
     # i == depth - 1: no forward. Level D+1 hangs under the level-D frontier; its
     # distribution came from each node's parent row at the previous step.
-    right_logp = memo["right_logp"]
+    right_logp = state.right_logp
     if not self.reference_parity:
       right_logp = jnp.take_along_axis(right_logp, frontier.parent_row[:, :, None], axis=1)
-    return right_logp, frontier.hidden
+    return right_logp, frontier.hidden, state
 
   def draft_forwards_per_round(self) -> int:
     return self.tree.depth
 
-  def step_loss(self, out: JakiroOutput, batch, head: TargetHead, epoch, settings):
+  def step_loss(self, out: JakiroOutput, batch, head: TargetHead, epoch,
+                settings: "JakiroLossSettings"):
     """`jakiro_loss` on the MoE's two outputs (left -> f_{t+1}, right -> f_{t+2})."""
     return jakiro_loss(out.left, out.right, batch.targets, batch.loss_mask, head.logits,
                        v_weight=settings.v_weight, p_weight=settings.p_weight,
@@ -144,6 +167,12 @@ class JakiroDrafter(Eagle2Drafter):
     shapes = [(1, d, d + 2) for d in range(2, 5)]  # the hybrid step needs two levels
     shapes += [(2, 2, 5), (2, 3, 7), (4, 4, 12), (6, 5, 26), (10, 5, 60)]
     return [(TreeConfig(*s), {}) for s in shapes]
+
+  @classmethod
+  def training_recipe(cls) -> dict:
+    # Jakiro's spec: AdamW 9e-5, cosine, 2000 warm-up steps, wd 1e-3, clip_grad_value_(0.5)
+    return dict(lr=9e-5, warmup_steps=2000, weight_decay=1e-3, num_epochs=21.0,
+                clip_mode="value", clip=0.5)
 
 
 def jakiro_loss(left, right, target_features, loss_mask, head_fn, v_weight=1.0, p_weight=0.1,

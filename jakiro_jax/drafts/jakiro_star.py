@@ -48,18 +48,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.drafts.base import (Chain, DraftHead, RoundInputs, TargetHead,
-                                   draft_layer_config, fc_params, fuse_token_and_feature)
-import jakiro_jax.export.torch_layout as tl
+from jakiro_jax.drafts.base import (Chain, DraftHead, draft_layer_config, fc_params,
+                                    fuse_token_and_feature)
+from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
+import jakiro_jax.drafts.torch_layout as tl
 from jakiro_jax.models.config import LlamaConfig
-from jakiro_jax.models.llama import Attention, RMSNorm, _matmul_out_in, _weight
+from jakiro_jax.models.llama import Attention, RMSNorm, matmul_out_in, weight_param
 from jakiro_jax.speculative.multidraft import (MultiDraftTree, accept_multidraft, accept_reference,
                                         draw_without_replacement)
-from jakiro_jax.speculative.static_tree import (JAKIRO_STAR_CHOICES, StaticTree, normalize_choices,
-                                         static_tree)
+from jakiro_jax.speculative.static_tree import StaticTree, normalize_choices, static_tree
 from jakiro_jax.speculative.tree import Frontier
 from jakiro_jax.speculative.verify import accept
-from jakiro_jax.train.losses import feature_losses
+from jakiro_jax.drafts.losses import feature_losses
+
+# Jakiro*'s tree (the original's redefinition of EAGLE-1's `mc_sim_7b_63`): 26 nodes with
+# level sizes 4, 8, 8, 3, 2, 1; 4, 4, 1, 1, 1 of levels 1..5 are expanded.
+JAKIRO_STAR_CHOICES: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+    (0, 0, 0, 0, 0, 0))
+
 
 REFERENCE_ROPE_THETA = 10000.0  # the original Jakiro* ignores the config's rope_theta
 
@@ -89,9 +100,9 @@ class GeluMLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     d, f = self.hidden_size, self.intermediate_size
-    fc = _weight(self, "fc", (f, d), ("mlp", "embed"), self.dtype)
-    proj = _weight(self, "proj", (d, f), ("embed", "mlp"), self.dtype)
-    return _matmul_out_in(jax.nn.gelu(_matmul_out_in(x, fc, 1), approximate=False), proj, 1)
+    fc = weight_param(self, "fc", (f, d), ("mlp", "embed"), self.dtype)
+    proj = weight_param(self, "proj", (d, f), ("embed", "mlp"), self.dtype)
+    return matmul_out_in(jax.nn.gelu(matmul_out_in(x, fc, 1), approximate=False), proj, 1)
 
 
 class JakiroStarLayer(nn.Module):
@@ -104,10 +115,10 @@ class JakiroStarLayer(nn.Module):
     h, cache = Attention(cfg, 0, name="attn")(x, positions, cache, mask)
     x = x + h
     normed = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_attention_norm")(x)
-    gate = _weight(self, "gate", (2, cfg.hidden_size), (None, "embed"), cfg.dtype)
+    gate = weight_param(self, "gate", (2, cfg.hidden_size), (None, "embed"), cfg.dtype)
     experts = [GeluMLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype,
                        name=f"experts_{e}")(normed) for e in range(2)]
-    by_preference, mixture = expert_outputs(_matmul_out_in(normed, gate, 1), *experts)
+    by_preference, mixture = expert_outputs(matmul_out_in(normed, gate, 1), *experts)
     return JakiroStarOutput(x[:, :, None] + by_preference, x + mixture), cache
 
 
@@ -159,6 +170,7 @@ class JakiroStarDrafter(DraftHead):
   choices: tuple[tuple[int, ...], ...] = JAKIRO_STAR_CHOICES
   reference_parity: bool = False
   name: ClassVar[str] = "jakiro_star"
+  measured_tau: ClassVar[dict[str, float]] = {"config": 1.38}  # T = 1: no T = 0 run
   inference_options: ClassVar[tuple[str, ...]] = ("choices", "reference_parity")
   derives_tree: ClassVar[bool] = True
   torch_layout: ClassVar[tl.TorchLayout]  # set below the class
@@ -232,6 +244,7 @@ class JakiroStarDrafter(DraftHead):
           tokens[child], proposal[child] = children[:, j, rank], prob[:, j, rank]
 
     expand(st.levels[0], hidden_root[:, None], 0)
+    cache = inputs.cache
     for i in range(self.tree.depth):
       nodes = st.levels[i + 1]
       width = len(nodes)
@@ -242,7 +255,8 @@ class JakiroStarDrafter(DraftHead):
           hidden=jnp.stack([row_hidden[st.row[st.parent[n]]] for n in nodes], axis=1),
           ancestor=jnp.broadcast_to(st.step_ancestor(i, k), (batch, width, k * self.tree.depth)),
           parent_row=jnp.zeros((batch, width), jnp.int32))
-      out = inputs.run_forward(i, frontier).experts  # [B, n, 2, D]
+      out, cache = inputs.run_forward(i, frontier, cache)
+      out = out.experts  # [B, n, 2, D]
       for j, node in enumerate(nodes):
         row_hidden[st.row[node]] = out[:, j, 0]
       expand(nodes, out, i + 1)
@@ -252,13 +266,14 @@ class JakiroStarDrafter(DraftHead):
     proposals = jnp.stack([proposal[i] for i in range(n)], axis=1)  # [B, N]
     log_path = jnp.einsum("BM,NM->BN", jnp.log(jnp.maximum(proposals, 1e-30)),
                           ancestor.astype(np.float32))
-    return MultiDraftTree(
+    tree = MultiDraftTree(
         tokens=jnp.stack([tokens[i] for i in range(n)], axis=1),
         parent=jnp.broadcast_to(jnp.asarray(st.parent, jnp.int32), (batch, n)),
         depth=jnp.broadcast_to(jnp.asarray(st.depth, jnp.int32), (batch, n)),
         ancestor=jnp.broadcast_to(ancestor, (batch, n, n)),
         score=log_path, proposal=proposals,
         row_dist=jnp.stack([row_dist[r] for r in range(st.num_rows)], axis=1))
+    return tree, cache
 
   def accept(self, tree, plan, logits, sampling, rng):
     if sampling.greedy:  # siblings are distinct tokens: the greedy walk applies as is
@@ -296,6 +311,16 @@ class JakiroStarDrafter(DraftHead):
   @classmethod
   def papers_tree(cls):
     return None, {"choices": normalize_choices(JAKIRO_STAR_CHOICES)}
+
+  @classmethod
+  def small_tree(cls):
+    return cls.papers_tree()  # the original's static 26 nodes
+
+  @classmethod
+  def training_recipe(cls) -> dict:
+    # the original decays linearly to 0 at 800k steps; cosine here
+    return dict(lr=9e-5, warmup_steps=2000, weight_decay=1e-3, num_epochs=31.0,
+                clip_mode="value", clip=0.5)
 
 
 def jakiro_star_loss(mixture, target_features, loss_mask, head_fn, v_weight=1.0,

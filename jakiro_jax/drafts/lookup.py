@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.drafts.base import RoundInputs
+from jakiro_jax.drafts.losses import LossSettings
+from jakiro_jax.speculative.drafter import RoundInputs
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import accept
@@ -93,6 +94,8 @@ class LookupDrafter:
   inference_options: ClassVar[tuple[str, ...]] = ("num_tokens", "max_ngram", "min_ngram")
   torch_layout: ClassVar[Any] = None
   derives_tree: ClassVar[bool] = True
+  loss_settings: ClassVar[type] = LossSettings  # nothing to train; the trainer refuses it
+  measured_tau: ClassVar[dict[str, float]] = {"config": 1.63}  # see `DraftHead`
 
   def __post_init__(self):
     if self.num_tokens < 1 or not 1 <= self.min_ngram <= self.max_ngram:
@@ -114,6 +117,14 @@ class LookupDrafter:
   @classmethod
   def papers_tree(cls):
     return None, {"num_tokens": 10}  # transformers' prompt_lookup_num_tokens default
+
+  @classmethod
+  def small_tree(cls):
+    return None, {}  # its defaults
+
+  @classmethod
+  def training_recipe(cls) -> dict:
+    return {}  # nothing to train
 
   def tree_grid(self):
     return [(None, {"num_tokens": k}) for k in (1, 2, 3, 5, 8, 10)]
@@ -141,11 +152,11 @@ class LookupDrafter:
   def carry(self, output):
     return output
 
-  def draft(self, inputs: RoundInputs) -> Tree:
+  def draft(self, inputs: RoundInputs) -> tuple[Tree, Any]:
     cache = inputs.cache
     proposal = lookup_proposal(cache.tokens, cache.lengths, self.num_tokens, self.max_ngram,
                                self.min_ngram)
-    return chain_tree(inputs.root, proposal)
+    return chain_tree(inputs.root, proposal), cache
 
   def verification_plan(self, tree: Tree):
     return tree.ancestor, None

@@ -30,6 +30,12 @@ BUILTIN = {
     "lookup": "jakiro_jax.drafts.lookup:LookupDrafter",
 }
 DEFAULT_METHOD = "eagle2"  # what a training config trains unless it says otherwise
+# The order in which the main job (`launch.generate` without --method) looks for a draft
+# shipped for the target: the best measured first.
+MAIN_JOB_PREFERENCE = ("jakiro", "gumiho", "eagle2")
+# What the evaluation launchers (`launch.eval_suite`, `launch.prune_generate_bench`) run
+# unless --methods says otherwise.
+EVAL_METHODS = ("eagle2", "jakiro", "gumiho")
 
 _registered: dict[str, type] = {}
 
@@ -131,6 +137,35 @@ def split_block(block: Mapping | None) -> tuple[TreeConfig | None, dict]:
 TREE_SETS = ("config", "papers")
 
 
+def default_blocks(tree_set: str = "small", **common) -> dict[str, dict]:
+  """Every registered method's draft block (`config_block`'s schema) for a config's
+  `drafts`: the method's `small_tree` (CPU-sized) or `papers_tree` (the paper's GPU
+  tree) with its options, and the defaults of the options that may change at load time
+  (`inference_options`), so a flag like `--config.drafts.NAME.OPTION=...` can set them;
+  `common` options (e.g. fc_bias) go to the methods that have them. The methods own
+  these defaults; a config overrides what it needs."""
+  if tree_set not in ("small", "papers"):
+    raise ValueError(f"tree_set must be small or papers, got {tree_set!r}")
+  blocks = {}
+  for name in names():
+    cls = get(name)
+    tree, options = cls.small_tree() if tree_set == "small" else cls.papers_tree()
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    block = {k: _plain(fields[k]) for k in cls.inference_options
+             if fields.get(k, dataclasses.MISSING) not in (None, dataclasses.MISSING)}
+    block.update({k: _plain(v) for k, v in options.items()})
+    block.update({k: v for k, v in common.items() if k in fields})
+    if tree is not None:
+      block["tree"] = dataclasses.asdict(tree)
+    blocks[name] = block
+  return blocks
+
+
+def _plain(value):
+  """Tuples (e.g. a static tree's choices) as lists, as a config file writes them."""
+  return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
 def tree_set_choice(method: str, tree_set: str, tree: TreeConfig | None, options: Mapping
                     ) -> tuple[TreeConfig | None, dict]:
   """(tree, options) of `method` in a tree set: "config" keeps the config's, "papers"
@@ -143,11 +178,31 @@ def tree_set_choice(method: str, tree_set: str, tree: TreeConfig | None, options
   return tree, dict(options)
 
 
-def drafter_from_config(config, method: str, target_config: LlamaConfig, **overrides):
-  """`make_drafter` from the config's block for `method` (`config_block`); `overrides`
-  replace options (None values are ignored)."""
+def tree_and_options(config, method: str, **overrides):
+  """(tree, drafter options) of `method` from the config's draft block (`config_block`),
+  with `overrides` (None or False = keep; the tree fields
+  top_k, depth, total_tokens go to the tree). Unknown options are a ValueError."""
   tree, options = split_block(config_block(config, method))
-  options.update({k: v for k, v in overrides.items() if v is not None})
+  tree_fields = {k: overrides.pop(k) for k in ("top_k", "depth", "total_tokens")
+                 if k in overrides}
+  given = {k: v for k, v in tree_fields.items() if v is not None}
+  if given:
+    if get(method).derives_tree:
+      raise ValueError(f"{method} derives its tree from its options; "
+                       f"{', '.join(sorted(given))} do not apply")
+    base = get(method).tree_for(tree, options)
+    tree = TreeConfig(**dict(dataclasses.asdict(base), **given))
+  options.update({k: v for k, v in overrides.items() if v is not None and v is not False})
+  cls = get(method)
+  check_options(cls, options)
+  return cls.tree_for(tree, options), options
+
+
+def drafter_from_config(config, method: str, target_config: LlamaConfig, **overrides):
+  """`make_drafter` with the config's tree and options for `method` (`tree_and_options`);
+  `overrides` replace them (None values are ignored). A drafter with fresh parameters is
+  `drafter.init_params(rng)`; a trained one is `drafts.io.draft_from_config`."""
+  tree, options = tree_and_options(config, method, **overrides)
   return make_drafter(method, target_config, tree, **options)
 
 

@@ -16,7 +16,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from jakiro_jax.drafts import registry
-import jakiro_jax.export.torch_layout as tl
+import jakiro_jax.drafts.torch_layout as tl
 from jakiro_jax.models.config import read_json
 from jakiro_jax.atomic_dir import atomic_dir, check_destination
 from jakiro_jax.models.convert import _load_safetensors_any_dtype

@@ -31,8 +31,9 @@ from jakiro_jax.models.kv_cache import KVCache
 _INIT_STDDEV = 0.02  # HF initializer_range default
 
 
-def _weight(module: nn.Module, name: str, shape: Sequence[int],
-            axes: Sequence[str | None], dtype, init=None) -> jax.Array:
+def weight_param(module: nn.Module, name: str, shape: Sequence[int],
+                 axes: Sequence[str | None], dtype, init=None) -> jax.Array:
+  """A parameter of `module` with its logical axes (`jakiro_jax.sharding` maps them)."""
   init = init or nn.initializers.normal(_INIT_STDDEV)
   return module.param(name, nn.with_logical_partitioning(init, tuple(axes)),
                       tuple(shape), dtype)
@@ -50,7 +51,7 @@ def dot_precision(*operands: jax.Array) -> jax.lax.Precision | None:
   return None
 
 
-def _matmul_out_in(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
+def matmul_out_in(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
   """Contracts the last `in_dims` axes of x with the last `in_dims` axes of w [out..., in...].
 
   One dot with the weight as its left operand, `[out..., in...] x [M, in...] -> [out..., M]`,
@@ -73,7 +74,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = _weight(self, "scale", (x.shape[-1],), ("embed",), self.dtype,
+    scale = weight_param(self, "scale", (x.shape[-1],), ("embed",), self.dtype,
                     nn.initializers.ones)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -121,11 +122,11 @@ class Attention(nn.Module):
   def __call__(self, x, positions, cache: KVCache, mask):
     cfg = self.config
     kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
-    qkv_w = _weight(self, "qkv", (kv, g + 2, hd, d),
+    qkv_w = weight_param(self, "qkv", (kv, g + 2, hd, d),
                     ("kv_heads", None, "head_dim", "embed"), cfg.dtype)
-    qkv = _matmul_out_in(x, qkv_w, in_dims=1)  # [B, T, K, C, H]
+    qkv = matmul_out_in(x, qkv_w, in_dims=1)  # [B, T, K, C, H]
     if cfg.attention_bias:
-      qkv = qkv + _weight(self, "qkv_bias", (kv, g + 2, hd),
+      qkv = qkv + weight_param(self, "qkv_bias", (kv, g + 2, hd),
                           ("kv_heads", None, "head_dim"), cfg.dtype,
                           nn.initializers.zeros)
     inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))
@@ -165,11 +166,11 @@ class Attention(nn.Module):
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     out = attention_values(probs, values)
-    o_w = _weight(self, "o", (d, kv, g, hd), ("embed", "kv_heads", None, "head_dim"),
+    o_w = weight_param(self, "o", (d, kv, g, hd), ("embed", "kv_heads", None, "head_dim"),
                   cfg.dtype)
-    out = _matmul_out_in(out, o_w, in_dims=3)
+    out = matmul_out_in(out, o_w, in_dims=3)
     if cfg.attention_out_bias:
-      out = out + _weight(self, "o_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
+      out = out + weight_param(self, "o_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
     return out, cache.replace(k=k_all, v=v_all)
 
 
@@ -182,18 +183,18 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    gate_up_w = _weight(self, "gate_up", (2, self.intermediate_size, self.hidden_size),
+    gate_up_w = weight_param(self, "gate_up", (2, self.intermediate_size, self.hidden_size),
                         (None, "mlp", "embed"), self.dtype)
-    gate_up = _matmul_out_in(x, gate_up_w, in_dims=1)  # [B, T, 2, F]
+    gate_up = matmul_out_in(x, gate_up_w, in_dims=1)  # [B, T, 2, F]
     if self.bias:
-      gate_up = gate_up + _weight(self, "gate_up_bias", (2, self.intermediate_size),
+      gate_up = gate_up + weight_param(self, "gate_up_bias", (2, self.intermediate_size),
                                   (None, "mlp"), self.dtype, nn.initializers.zeros)
     h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-    down_w = _weight(self, "down", (self.hidden_size, self.intermediate_size),
+    down_w = weight_param(self, "down", (self.hidden_size, self.intermediate_size),
                      ("embed", "mlp"), self.dtype)
-    out = _matmul_out_in(h, down_w, in_dims=1)
+    out = matmul_out_in(h, down_w, in_dims=1)
     if self.bias:
-      out = out + _weight(self, "down_bias", (self.hidden_size,), ("embed",), self.dtype,
+      out = out + weight_param(self, "down_bias", (self.hidden_size,), ("embed",), self.dtype,
                           nn.initializers.zeros)
     return out
 

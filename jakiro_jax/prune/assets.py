@@ -9,12 +9,11 @@ either.
 """
 
 from __future__ import annotations
-
 import os
 
-import jakiro_jax
 
-ASSET_DIR = os.path.join(os.path.dirname(jakiro_jax.__file__), "assets", "prune")
+ASSET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
+                         "prune")
 MC_FILE = os.path.join(ASSET_DIR, "mc", "arc_easy_val200.jsonl")
 
 

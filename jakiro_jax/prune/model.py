@@ -26,7 +26,7 @@ import numpy as np
 from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
                                      rope_inverse_frequencies)
 from jakiro_jax.models.kv_cache import causal_mask
-from jakiro_jax.models.llama import (MLP, Llama, RMSNorm, _matmul_out_in, apply_rope,
+from jakiro_jax.models.llama import (MLP, Llama, RMSNorm, matmul_out_in, apply_rope,
                                     attention_values, dot_precision)
 from jakiro_jax.prune.cache import PrunedCache
 from jakiro_jax.prune.route import BlockContext, Decision, Route, fixed_route
@@ -79,7 +79,7 @@ def project_qkv(attn_params: Mapping[str, Any], config: LlamaConfig, h: jax.Arra
   """Normed hidden `h [B, T, D]` -> q `[B, T, K, G, H]`, k, v `[B, T, K, H]` (RoPE'd),
   exactly as the dense attention computes them."""
   g = config.queries_per_kv
-  qkv = _matmul_out_in(h, attn_params["qkv"], in_dims=1)  # [B, T, K, C, H]
+  qkv = matmul_out_in(h, attn_params["qkv"], in_dims=1)  # [B, T, K, C, H]
   if config.attention_bias:
     qkv = qkv + attn_params["qkv_bias"]
   inv_freq = jnp.asarray(rope_inverse_frequencies(config))
@@ -106,7 +106,7 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
 def output_projection(attn_params: Mapping[str, Any], config: LlamaConfig,
                       out: jax.Array) -> jax.Array:
   """`[B, T, K, G, H]` -> `[B, T, D]` through o (and its bias)."""
-  out = _matmul_out_in(out, attn_params["o"], in_dims=3)
+  out = matmul_out_in(out, attn_params["o"], in_dims=3)
   if config.attention_out_bias:
     out = out + attn_params["o_bias"]
   return out

@@ -15,6 +15,7 @@ up to float summation order, and `prune.model.decode_step` continues from the ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Mapping, Sequence
 
@@ -191,3 +192,23 @@ def pruned_target_prefill(params, config: LlamaConfig, prompt: jax.Array,
   skipped = ~out.cache.valid & in_prompt[None]
   return logits, out.features, KVCache(k=out.cache.k, v=out.cache.v,
                                        lengths=prompt_lengths, skipped=skipped)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrunedPrefill:
+  """The static router's token-pruned prefill as the generation loops' `prefill_fn`
+  (`speculative.autoregressive.target_prefill`): `schedule` holds the per-block
+  sparsities (e.g. a searched FTP schedule). Hashable: a static argument of the loops.
+
+    generate_ar(target, prompts, 64, prefill_fn=PrunedPrefill(schedule))
+  """
+  schedule: tuple[float, ...]
+
+  def __post_init__(self):
+    object.__setattr__(self, "schedule", tuple(float(s) for s in self.schedule))
+
+  def __call__(self, model, params, prompt: jax.Array, prompt_lengths: jax.Array,
+               cache: KVCache):
+    schedule = check_schedule(self.schedule, model.config.num_layers)
+    return pruned_target_prefill(params, model.config, prompt, prompt_lengths, cache,
+                                 schedule)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jakiro_jax import sharding
-from jakiro_jax.drafts.base import TargetHead
+from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, init_params, new_cache
 from jakiro_jax.speculative import autoregressive as ar
@@ -149,7 +149,7 @@ def ar_loop_program(config: LlamaConfig, mesh, batch: int, prompt_len: int,
   cache, cache_sh = abstract_cache(lambda: new_cache(config, batch, max_len), mesh)
   in_sh, out_sh = ar.ar_shardings(params_sh, cache_sh, batch, mesh)
   static = dict(config=config, max_new_tokens=max_new_tokens, sampling=sampling,
-                stop_ids=STOP_IDS, pad_id=0, prune_schedule=None)
+                stop_ids=STOP_IDS, pad_id=0, prefill_fn=None)
   fn = jax.jit(functools.partial(ar._ar_loop, **static), in_shardings=in_sh,
                out_shardings=out_sh, donate_argnums=(5,))
   args = (placed(params, params_sh), _rows(batch, mesh, jnp.int32, prompt_len),
@@ -177,7 +177,7 @@ def _spec_pieces(config, drafter, mesh, batch: int, max_len: int):
 
 def _loop_static(config, drafter, max_new_tokens: int, sampling: SamplingConfig) -> dict:
   return dict(target_config=config, drafter=drafter, max_new_tokens=max_new_tokens,
-              sampling=sampling, stop_ids=STOP_IDS, pad_id=0, prune_schedule=None)
+              sampling=sampling, stop_ids=STOP_IDS, pad_id=0, prefill_fn=None)
 
 
 def _tree_info(drafter) -> dict:

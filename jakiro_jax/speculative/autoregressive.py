@@ -62,46 +62,46 @@ def prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
 
 
 def target_prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
-                   cache: KVCache, prune_schedule: tuple[float, ...] | None = None):
-  """`prefill`, or with `prune_schedule` (per-block sparsities) the token-pruned prefill
-  of the static router (`prune.prefill.pruned_target_prefill`), same returns."""
-  if prune_schedule is None:
-    return prefill(model, params, prompt, prompt_lengths, cache)
-  from jakiro_jax.prune.prefill import pruned_target_prefill
-  return pruned_target_prefill(params, model.config, prompt, prompt_lengths, cache,
-                               prune_schedule)
+                   cache: KVCache, prefill_fn=None):
+  """The dense `prefill`, or `prefill_fn`: any hashable callable with `prefill`'s
+  signature and returns (e.g. a token-pruned prefill, `prune.prefill.PrunedPrefill`).
+  The loops only pass it through; decoding after it stays dense."""
+  return (prefill_fn or prefill)(model, params, prompt, prompt_lengths, cache)
 
 
-def check_prune_schedule(config: LlamaConfig, prune_schedule, mesh=None
-                         ) -> tuple[float, ...] | None:
-  """The schedule as a hashable tuple (None stays None), with clear errors."""
-  if prune_schedule is None:
+def check_prefill_fn(prefill_fn, mesh=None):
+  """`prefill_fn` unchanged, after the checks the loops need (a static argument)."""
+  if prefill_fn is None:
     return None
   if mesh is not None:
-    raise ValueError("a pruned prefill (prune_schedule) runs without a mesh")
-  from jakiro_jax.prune.schedule import check_schedule
-  return check_schedule(prune_schedule, config.num_layers)
+    raise ValueError("a custom prefill (e.g. a token-pruned one) runs without a mesh")
+  try:
+    hash(prefill_fn)
+  except TypeError:
+    raise ValueError(f"prefill_fn must be hashable (a static argument of the jitted loop); "
+                     f"got {type(prefill_fn).__name__}") from None
+  return prefill_fn
 
 
 AR_STATIC_ARGS = ("config", "max_new_tokens", "sampling", "stop_ids", "pad_id",
-                  "prune_schedule")
+                  "prefill_fn")
 
 
 def _ar_loop(params, prompt: jax.Array, prompt_lengths: jax.Array,
                     budgets: jax.Array, rng: jax.Array, cache: KVCache, *,
                     config: LlamaConfig, max_new_tokens: int, sampling: SamplingConfig,
                     stop_ids: tuple[int, ...], pad_id: int,
-                    prune_schedule: tuple[float, ...] | None = None):
+                    prefill_fn=None):
   """Generates up to `budgets[b] <= max_new_tokens` tokens per row.
 
   prompt `[B, P]` right-padded, prompt_lengths/budgets `[B]` int32. A row stops after a
-  stop token (kept in the output) or its budget. `prune_schedule`: token-pruned prefill
-  (`target_prefill`). Returns the final `ARState`.
+  stop token (kept in the output) or its budget. `prefill_fn`: see `target_prefill`.
+  Returns the final `ARState`.
   """
   model = Llama(config)
   batch = prompt.shape[0]
   logits, _, cache = target_prefill(model, params, prompt, prompt_lengths, cache,
-                                    prune_schedule)
+                                    prefill_fn)
   first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
   state = ARState(
@@ -165,22 +165,22 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
                 max_new_tokens: int | Sequence[int] = 128,
                 sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                 max_len: int | None = None, mesh=None,
-                prune_schedule=None) -> GenerationOutput:
+                prefill_fn=None) -> GenerationOutput:
   """Autoregressive generation for a batch of token-id prompts of any lengths.
 
-  `prune_schedule` (per-block sparsities, e.g. a searched FTP schedule): the prompt is
-  prefilled with the static token router (`target_prefill`), decoding stays dense.
+  `prefill_fn`: the prompt's prefill in place of the dense one (`target_prefill`; e.g.
+  `prune.prefill.PrunedPrefill(schedule)`, a token-pruned one), decoding stays dense.
 
   With a `mesh` (`jakiro_jax.sharding.make_mesh`) the same loop runs as one jit with the
   target's weights, the prompts and the cache sharded by the logical-axis rules;
   `shard_target` places the weights once beforehand (else each call moves them).
   """
-  prune_schedule = check_prune_schedule(target.config, prune_schedule, mesh)
+  prefill_fn = check_prefill_fn(prefill_fn, mesh)
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len)
   size = len(batch.lengths)
   static = dict(config=target.config, max_new_tokens=int(batch.budgets.max()),
                 sampling=sampling, stop_ids=tuple(target.stop_ids), pad_id=0,
-                prune_schedule=prune_schedule)
+                prefill_fn=prefill_fn)
   inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
             jnp.asarray(batch.budgets), jax.random.PRNGKey(seed))
   if mesh is None:

@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.drafts.base import RoundInputs, TargetHead
+from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
 from jakiro_jax.models.kv_cache import KVCache, causal_mask, tree_mask
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, new_cache
-from jakiro_jax.speculative.autoregressive import (check_prune_schedule, is_stop_token,
+from jakiro_jax.speculative.autoregressive import (check_prefill_fn, is_stop_token,
                                                    target_prefill)
 from jakiro_jax.speculative.batching import prepare_batch
 from jakiro_jax.speculative.sampling import SamplingConfig, sample_token
@@ -68,28 +68,24 @@ def draft_context(drafter, draft_params, head, tokens, features, count, cache):
 def draft_tree(drafter, draft_params, head, carried_root, root, cache,
                sampling: SamplingConfig = SamplingConfig(),
                rng: jax.Array | None = None) -> tuple[Tree, Any]:
-  """One round's tree from the drafter's carried output after the root; cache lengths
-  unchanged. `run_forward(i, frontier)` (given to `drafter.draft` in its `RoundInputs`)
-  runs the draft over a frontier of at most K nodes at tree step i (RoPE position n + i,
-  draft slots n + i*K ..)."""
+  """One round's tree from the drafter's carried output after the root, and the draft
+  cache after it (lengths unchanged). `run_forward(i, frontier, cache) -> (output,
+  cache)` (given to `drafter.draft` in its `RoundInputs`) runs the draft over a frontier
+  of at most K nodes at tree step i (RoPE position n + i, draft slots n + i*K ..)."""
   k = drafter.tree.top_k
   context = cache.lengths
-  scratch = {"cache": cache}
 
-  def run_forward(i, frontier):
+  def run_forward(i, frontier, step_cache):
     # Level i+1 nodes sit at RoPE position n + i and at draft slots n + i*K + j.
-    step_cache = scratch["cache"].replace(lengths=context + i * k)
     mask = tree_mask(context, frontier.ancestor, cache.max_len)
     positions = jnp.broadcast_to((context + i)[:, None], frontier.tokens.shape)
     out, new = drafter.forward(draft_params, head, frontier.tokens, frontier.hidden,
-                               positions, step_cache, mask)
-    scratch["cache"] = new.replace(lengths=context)
-    return out
+                               positions, step_cache.replace(lengths=context + i * k), mask)
+    return out, new.replace(lengths=context)
 
   rng = jax.random.PRNGKey(0) if rng is None else rng
-  tree = drafter.draft(RoundInputs(draft_params, head, carried_root, root, cache, run_forward,
-                                   sampling, rng))
-  return tree, scratch["cache"]
+  return drafter.draft(RoundInputs(draft_params, head, carried_root, root, cache,
+                                   run_forward, sampling, rng))
 
 
 def verify_tree(model: Llama, target_params, drafter, tree: Tree, cache: KVCache,
@@ -166,7 +162,7 @@ def speculative_round(s: SpecState, target_params, draft_params, budgets: jax.Ar
 
 
 SPEC_STATIC_ARGS = ("target_config", "drafter", "max_new_tokens", "sampling", "stop_ids",
-                    "pad_id", "prune_schedule")
+                    "pad_id", "prefill_fn")
 
 
 def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budgets,
@@ -174,10 +170,10 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
                              target_config: LlamaConfig, drafter, max_new_tokens: int,
                              sampling: SamplingConfig, stop_ids: tuple[int, ...],
                              pad_id: int,
-                             prune_schedule: tuple[float, ...] | None = None) -> SpecState:
+                             prefill_fn=None) -> SpecState:
   """prompt `[B, P]` right-padded; budgets `[B]` <= max_new_tokens. Returns the final state.
-  `prune_schedule`: token-pruned prefill of the target (`target_prefill`); the drafts then
-  read the pruned prompt's features.
+  `prefill_fn`: the target's prefill in place of the dense one (`target_prefill`); the
+  drafts then read the features it returns.
 
   The target runs with `target_config` (the target's own), never the drafter's
   `target_config`: a drafter built for another config would otherwise change the target.
@@ -188,7 +184,7 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
   rows = jnp.arange(batch)
 
   logits, features, target_cache = target_prefill(model, target_params, prompt,
-                                                  prompt_lengths, target_cache, prune_schedule)
+                                                  prompt_lengths, target_cache, prefill_fn)
   root = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
   # Draft pair p is (feature_p, token_{p+1}); the last prompt pair takes the root.
   shifted = jnp.concatenate([prompt[:, 1:], jnp.zeros((batch, 1), prompt.dtype)], axis=1)
@@ -264,19 +260,20 @@ class SpecOutput:
 def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
              max_new_tokens: int | Sequence[int] = 128,
              sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
-             max_len: int | None = None, mesh=None, prune_schedule=None) -> SpecOutput:
+             max_len: int | None = None, mesh=None, prefill_fn=None) -> SpecOutput:
   """Speculative generation for a batch of token-id prompts.
 
-  `prune_schedule` (per-block sparsities): the target prefills the prompt with the static
-  token router (`autoregressive.target_prefill`); verification stays dense over the pruned
-  cache, so greedy output equals `generate_ar` with the same schedule.
+  `prefill_fn`: the target's prefill in place of the dense one
+  (`autoregressive.target_prefill`; e.g. `prune.prefill.PrunedPrefill(schedule)`, a
+  token-pruned one); verification stays dense over the cache it leaves, so greedy output
+  equals `generate_ar` with the same `prefill_fn`.
 
   With a `mesh` (`jakiro_jax.sharding.make_mesh`) the same loop runs as one jit with the
   target's and the draft's weights, the prompts and both caches sharded by the
   logical-axis rules (`sharding.shard_target` places the target once beforehand).
   """
   check_draft_fits(target, drafter, draft_params)
-  prune_schedule = check_prune_schedule(target.config, prune_schedule, mesh)
+  prefill_fn = check_prefill_fn(prefill_fn, mesh)
   target_extra = drafter.tree.total_tokens
   draft_extra = drafter.extra_cache_slots()
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
@@ -284,7 +281,7 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
   size = len(batch.lengths)
   static = dict(target_config=target.config, drafter=drafter,
                 max_new_tokens=int(batch.budgets.max()), sampling=sampling,
-                stop_ids=tuple(target.stop_ids), pad_id=0, prune_schedule=prune_schedule)
+                stop_ids=tuple(target.stop_ids), pad_id=0, prefill_fn=prefill_fn)
   inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
             jnp.asarray(batch.budgets), jax.random.PRNGKey(seed))
   make_target_cache = lambda: new_cache(target.config, size, batch.max_len)  # noqa: E731

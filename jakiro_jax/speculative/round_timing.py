@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.drafts.base import TargetHead
+from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.models.llama import Llama, new_cache
 from jakiro_jax.speculative.generate import (check_draft_fits, draft_context, draft_tree,

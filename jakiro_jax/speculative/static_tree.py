@@ -24,17 +24,6 @@ import numpy as np
 
 from jakiro_jax.speculative.tree import TreeConfig
 
-# Jakiro*'s tree (the original's redefinition of EAGLE-1's `mc_sim_7b_63`): 26 nodes with
-# level sizes 4, 8, 8, 3, 2, 1; 4, 4, 1, 1, 1 of levels 1..5 are expanded.
-JAKIRO_STAR_CHOICES: tuple[tuple[int, ...], ...] = (
-    (0,), (1,), (2,), (3,),
-    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
-    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2),
-    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
-    (0, 0, 0, 0, 0, 0))
-
-
 def normalize_choices(choices) -> tuple[tuple[int, ...], ...]:
   """Any nested sequence of ints (e.g. JSON lists) -> a hashable tuple of tuples."""
   return tuple(tuple(int(r) for r in c) for c in choices)

@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -198,13 +198,15 @@ def next_frontier(frontier: Frontier, cumulative: jax.Array, child_tokens: jax.A
 
 
 def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
-                config: TreeConfig) -> Candidates:
-  """EAGLE-2 level expansion.
+                config: TreeConfig, state: Any) -> tuple[Candidates, Any]:
+  """EAGLE-2 level expansion -> (candidates, the final `state`).
 
   logp_root `[B, V]`: draft log-probs after the root; hidden_root `[B, D]`: the draft
-  output that produced them. `step(i, frontier) -> (logp [B, K, V], hidden [B, K, D])`
-  runs the draft over the frontier's K nodes (tree step i, draft slots i*K .. i*K+K-1).
-  The K best children (by cumulative log-prob) of each step form the next frontier.
+  output that produced them. `step(i, frontier, state) -> (logp [B, K, V],
+  hidden [B, K, D], state)` runs the draft over the frontier's K nodes (tree step i,
+  draft slots i*K .. i*K+K-1); `state` is the caller's declared pytree carried from step
+  to step (the draft cache, and whatever else a method passes on). The K best children
+  (by cumulative log-prob) of each step form the next frontier.
   """
   k = config.top_k
   batch = logp_root.shape[0]
@@ -213,7 +215,7 @@ def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
   all_tokens, all_scores = [frontier.tokens], [frontier.scores]
   all_parents = [jnp.full((batch, k), -1, jnp.int32)]
   for i in range(config.depth):
-    logp, hidden = step(i, frontier)
+    logp, hidden, state = step(i, frontier, state)
     child_scores, child_tokens = topk_level(logp, k)  # [B, K, K]
     cumulative = (child_scores + frontier.scores[:, :, None]).reshape(batch, k * k)
     child_tokens = child_tokens.reshape(batch, k * k)
@@ -226,4 +228,4 @@ def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
                                   lambda best: (first + best).astype(jnp.int32))
   return Candidates(tokens=jnp.concatenate(all_tokens, axis=1),
                     scores=jnp.concatenate(all_scores, axis=1),
-                    parent=jnp.concatenate(all_parents, axis=1))
+                    parent=jnp.concatenate(all_parents, axis=1)), state

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jakiro_jax.drafts.losses import shift_positions
+
 MIN_BUCKET = 64
 
 
@@ -95,14 +97,6 @@ class TrainBatch:
     return self.replace(input_ids=shift_positions(self.input_ids, k),
                         targets=shift_positions(self.targets, k),
                         loss_mask=shift_positions(self.loss_mask, k))
-
-
-def shift_positions(x: jax.Array, k: int) -> jax.Array:
-  """x[:, k:] followed by k zero positions `[B, T, ...]` (no wrap-around)."""
-  if k == 0:
-    return x
-  pad = jnp.zeros(x.shape[:1] + (k,) + x.shape[2:], x.dtype)
-  return jnp.concatenate([x[:, k:], pad], axis=1)
 
 
 def _shift_left(x: jax.Array, valid: jax.Array) -> jax.Array:

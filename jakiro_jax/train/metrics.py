@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.drafts.base import TargetHead, head_argmax
+from jakiro_jax.drafts.base import head_argmax
+from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.train.collate import shift_for_training
 
 

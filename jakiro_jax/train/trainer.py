@@ -45,11 +45,11 @@ import optax
 
 import jakiro_jax.sharding as sharding
 from jakiro_jax.drafts import registry
-from jakiro_jax.drafts.base import TargetHead
+from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.train.collate import (bucket_length, pad_rows, shift_for_training,
                                      uniform_noise)
 from jakiro_jax.train.data_order import DataOrder, split_rows
-from jakiro_jax.train.objectives import LossSettings
+from jakiro_jax.drafts.losses import LossSettings, config_fields
 from jakiro_jax.train.vocab_subset import frequent_tokens, head_matrix, save_subset
 from jakiro_jax.drafts.io import save_draft
 from jakiro_jax.target import load_target
@@ -71,10 +71,12 @@ RESUMABLE_CHANGES = ("log_every", "eval_every", "eval_rows", "save_every",
                      "mesh_data", "mesh_fsdp", "mesh_tensor")
 
 
-def default_config() -> ml_collections.ConfigDict:
-  """Every training setting with its default; experiment files override a few."""
+def default_config(method: str | None = None) -> ml_collections.ConfigDict:
+  """Every training setting with its default, for `method` (None: the registry's
+  default): its loss weights come from the method (`loss_settings`), and the method's
+  own recipe (`training_recipe`) is not applied; experiment files override a few."""
   c = ml_collections.ConfigDict()
-  c.method = registry.DEFAULT_METHOD  # a registered method (`drafts/registry.py`)
+  c.method = method or registry.DEFAULT_METHOD  # a registered method (`drafts/registry.py`)
   c.target = "smollm2"  # embedded name, HF model directory or .gguf file
   c.dtype = "float32"
   # Draft blocks by method, the schema every config uses (`registry.config_block`): the
@@ -102,8 +104,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.weight_decay = 0.0
   c.clip_mode = "value"  # value (EAGLE/Jakiro clip_grad_value_) | global_norm (Gumiho)
   c.clip = 0.5
-  c.loss = ml_collections.ConfigDict(
-      {k: v for k, v in dataclasses.asdict(LossSettings()).items() if k != "mlp_ce"})
+  # The method's loss weights (`drafter.loss_settings`: the shared ones and its own).
+  c.loss = ml_collections.ConfigDict(config_fields(registry.get(c.method).loss_settings))
   # Bookkeeping.
   c.seed = 0
   c.log_every = 10
@@ -302,9 +304,15 @@ def _check_config(config) -> None:
 
 
 def loss_settings(config, drafter) -> LossSettings:
-  """`config.loss` as `LossSettings`, checked against the method and the data mode."""
+  """`config.loss` as the method's `loss_settings` class (fields it leaves out keep the
+  method's defaults), checked against the method and the data mode."""
+  known = config_fields(drafter.loss_settings)
+  unknown = sorted(set(config.loss.to_dict()) - set(known))
+  if unknown:
+    raise TrainInputError(f"config.loss has {', '.join(unknown)}, which {config.method} "
+                          f"does not train with; its loss takes {', '.join(known)}")
   try:
-    settings = LossSettings(**config.loss.to_dict())
+    settings = drafter.loss_settings(**config.loss.to_dict())
   except (TypeError, ValueError) as e:
     raise TrainInputError(f"config.loss: {e}") from None
   most = drafter.chain_steps()

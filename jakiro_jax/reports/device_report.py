@@ -44,8 +44,6 @@ from jakiro_jax.speculative.round_timing import (decode_forward, decode_step_fn,
                                                   median_ms)
 
 SECTIONS = ("ar_decode", "speculative", "peers", "scale")
-# The methods whose original PyTorch code the peers section would run.
-ORIGINAL_CODE_METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
 TREE_SETS = ("config", "papers", "tuned")
 BUDGET_REASON = ("time budget spent: rerun the same command to continue (measured rows "
                  "are kept)")
@@ -391,7 +389,7 @@ def ar_decode(get_target: Callable[[str], Any], settings: Mapping, *,
 def load_questions(questions_dir: str, n: int) -> dict[str, list[str]]:
   """First user turns of the first `n` questions of every `*.jsonl` in `questions_dir`,
   by file stem (sorted)."""
-  from launch.lib.benchmark import read_questions
+  from jakiro_jax.reports.benchmark import read_questions
 
   if not os.path.isdir(questions_dir):
     raise FileNotFoundError(
@@ -409,7 +407,7 @@ def tree_choice(config, method: str, tree_set: str):
   """(TreeConfig or None, drafter options) of `method` in tree set "config" or "papers"
   (the method's `papers_tree`)."""
   from jakiro_jax.drafts import registry
-  from launch.lib.benchmark import tree_and_options
+  from jakiro_jax.drafts.registry import tree_and_options
 
   if tree_set not in registry.TREE_SETS:
     raise ValueError(f"no fixed trees for tree set {tree_set!r}")
@@ -464,7 +462,7 @@ def _flat_prompts(prompts: Mapping[str, Sequence[Sequence[int]]]):
 def _ar_runs(section: Section, key: str, target, prompts, settings, sampling) -> dict:
   """The AR baseline (outputs, seconds per prompt) of `key`, measured once per section and
   kept in its extra (so a resumed run compares against the same runs)."""
-  from launch.lib.benchmark import ar_baseline
+  from jakiro_jax.reports.benchmark import ar_baseline
   stored = section.extra.setdefault("ar", {})
   if key not in stored:
     ar = ar_baseline(target, prompts, settings["max_new_tokens"], sampling, settings["seed"])
@@ -482,7 +480,7 @@ def spec_unit_row(target, drafter, params, prompts: Mapping, ar_runs: Mapping, s
   """Speculative runs of every prompt (batch 1) against the stored AR runs: pooled fields
   (`benchmark.spec_fields`), per file, and the round's draft/verify split at the pooled
   mean context length."""
-  from launch.lib.benchmark import ar_summary, spec_fields, spec_runs
+  from jakiro_jax.reports.benchmark import ar_summary, spec_fields, spec_runs
   from jakiro_jax.speculative.round_timing import round_split
 
   files, flat = _flat_prompts(prompts)
@@ -557,7 +555,7 @@ def speculative(get_target: Callable[[str], Any], config, prompts: Mapping[str, 
   greedy check. `tune_tree_fn` replaces `tree_tuning.tune_tree` (tests)."""
   from tqdm import tqdm
 
-  from launch.lib.benchmark import resolve_draft
+  from jakiro_jax.drafts.io import resolve_draft
   from jakiro_jax.speculative.sampling import SamplingConfig
   from jakiro_jax.speculative.tree import TreeConfig
 
@@ -585,7 +583,7 @@ def speculative(get_target: Callable[[str], Any], config, prompts: Mapping[str, 
       extra["tuning"] = result.to_json()
       extra["tuning_cached"] = bool(getattr(result, "cached", False))
       if result.choice is None:  # decoding would be the AR loop itself: speedup 1
-        from launch.lib.benchmark import ar_summary
+        from jakiro_jax.reports.benchmark import ar_summary
         rate = ar_summary(ar_runs["outputs"], ar_runs["seconds"])["ar_tokens_per_s"]
         return dict(extra, ar_chosen=True, ar_tokens_per_s=rate, tokens_per_s=rate,
                     speedup=1.0, n_prompts=len(flat))
@@ -644,7 +642,8 @@ def speculative(get_target: Callable[[str], Any], config, prompts: Mapping[str, 
 def _bf16_check(section: Section, get_target, prompts, settings, method: str, draft) -> dict:
   """Greedy outputs of `method` (config tree) against the AR loop, both in bf16; for each
   divergence the target's top-2 logit gap at the first differing position."""
-  from launch.lib.benchmark import resolve_draft, spec_runs
+  from jakiro_jax.reports.benchmark import spec_runs
+  from jakiro_jax.drafts.io import resolve_draft
   from jakiro_jax.speculative.sampling import SamplingConfig
   from jakiro_jax.speculative.tree import TreeConfig
 
@@ -671,12 +670,11 @@ def _bf16_check(section: Section, get_target, prompts, settings, method: str, dr
 
 
 # ---------------------------------------------------------------------------------------
-# c. Peers: transformers generate on the same weights; the original PyTorch code
+# c. Peers: transformers generate on the same weights
 
 
 def peers_settings(size: str, target: str, files: Sequence[str], n_questions: int | None,
-                   max_new_tokens: int | None, peer_repos: str | None,
-                   static_compile: bool = True) -> dict:
+                   max_new_tokens: int | None, static_compile: bool = True) -> dict:
   cpu = size != "full"
   return {"target": target, "files": list(files),
           "n_questions": n_questions or (3 if not cpu else 1),
@@ -685,18 +683,7 @@ def peers_settings(size: str, target: str, files: Sequence[str], n_questions: in
           # a compile per prompt shape (~1.5 min each on a 2-core CPU, where it is not
           # faster than eager): the first prompt of each file on full, of one file on cpu
           "compile_files": None if not cpu else 1,
-          "peer_repos": peer_repos, "seed": 0}
-
-
-def run_original_peer(method: str, peer_repos: str, prompts, max_new_tokens: int) -> dict:
-  """Placeholder: the original PyTorch EAGLE-2 / Jakiro / Jakiro* / Gumiho code on the
-  same prompts. Not implemented yet; raises NotImplementedError saying what it needs."""
-  raise NotImplementedError(
-      f"running the original {method} code needs: its checkout under {peer_repos} "
-      f"(e.g. EAGLE, Jakiro, Gumiho repositories), our draft in its layout "
-      f"(`python -m launch.export --format={method}`), the target as a HuggingFace "
-      f"directory (`launch.export --format=hf`), and an adapter calling its generate loop "
-      f"per prompt; none of that is written yet")
+          "seed": 0}
 
 
 def static_compile_kwargs(device: str) -> tuple[dict, str, str | None]:
@@ -723,8 +710,7 @@ def peers(get_target: Callable[[str], Any], prompts: Mapping[str, Sequence],
           settings: Mapping, *, previous: Mapping | None = None, checkpoint=None,
           budget: Budget | None = None, progress: bool = True) -> dict:
   """Section c: our AR loop, transformers eager `generate` and static cache +
-  torch.compile on the same weights and prompts (greedy; mismatches against ours), and
-  the original-code hook (`run_original_peer`)."""
+  torch.compile on the same weights and prompts (greedy; mismatches against ours)."""
   if importlib.util.find_spec("torch") is None:
     return not_run("peers", settings, "not run: torch missing (pip install -e .[torch])")
   try:
@@ -734,7 +720,7 @@ def peers(get_target: Callable[[str], Any], prompts: Mapping[str, Sequence],
   from tqdm import tqdm
 
   from jakiro_jax.models.hf_reference import hf_greedy_generate, torch_model_from_target
-  from launch.lib.benchmark import ar_baseline, ar_summary
+  from jakiro_jax.reports.benchmark import ar_baseline, ar_summary
   from jakiro_jax.speculative.sampling import SamplingConfig
 
   section = Section("peers", settings, previous, checkpoint, budget)
@@ -825,18 +811,6 @@ def peers(get_target: Callable[[str], Any], prompts: Mapping[str, Sequence],
       section.skip("hf_static_compile prompts", f"timed on {len(firsts)} of the {len(flat)} "
                    f"prompts, the first of {which}: each new prompt shape compiles again, "
                    f"for minutes on a CPU")
-  for method in ORIGINAL_CODE_METHODS:
-    key = f"original/{method}"
-    if not settings["peer_repos"]:
-      section.rows.append({"key": key, "what": f"original PyTorch {method} code",
-                           "status": "not run: --peer_repos not given"})
-      continue
-    try:
-      section.rows.append(dict(run_original_peer(method, settings["peer_repos"], flat,
-                                                 max_new), key=key))
-    except NotImplementedError as e:
-      section.rows.append({"key": key, "what": f"original PyTorch {method} code",
-                           "status": f"not implemented yet: {e}"})
   return section.finish()
 
 
@@ -904,8 +878,8 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
   import jax.numpy as jnp
   from tqdm import tqdm
 
-  from jakiro_jax.drafts import make_drafter
-  from jakiro_jax.drafts.base import TargetHead
+  from jakiro_jax.drafts import make_drafter, registry
+  from jakiro_jax.speculative.drafter import TargetHead
   from jakiro_jax.models.kv_cache import causal_mask
   from jakiro_jax.models.llama import init_params, new_cache
   from jakiro_jax.speculative.batching import round_up
@@ -966,7 +940,7 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
 
   def draft_row():
     tree = TreeConfig(*settings["draft_tree"])
-    drafter = make_drafter("eagle2", cfg, tree)
+    drafter = make_drafter(registry.DEFAULT_METHOD, cfg, tree)
     dparams = random_like(lambda: drafter.init_params(jax.random.PRNGKey(0)), settings["seed"] + 1)
     k = settings["frontier"]
 

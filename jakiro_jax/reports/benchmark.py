@@ -1,5 +1,5 @@
-"""Benchmark building blocks shared by `launch.bench`, `launch.eval_suite` and
-`launch.generate`: question files, draft resolution, timed AR and speculative runs."""
+"""Benchmark building blocks (`launch.bench`, `launch.eval_suite`, `launch.generate`, the
+device report): question files, timed AR and speculative runs, their report fields."""
 
 from __future__ import annotations
 
@@ -13,44 +13,6 @@ def read_questions(path: str, limit: int) -> list[str]:
   """First user turns of a FastChat question file (`train.data.read_prompts`)."""
   from jakiro_jax.train.data import read_prompts
   return read_prompts(path, limit)
-
-
-def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
-                  options: dict | None = None):
-  """(drafter, params) from a directory, a shipped name, 'random' or the shipped default.
-
-  The tree and the method's inference options (`Drafter.inference_options`, not learnt)
-  replace what the draft was saved with; other options must match the draft."""
-  import jax
-
-  from jakiro_jax.drafts import registry
-  from jakiro_jax.drafts.io import SHIPPED_DRAFTS, load_draft
-
-  shipped = f"{target.name}-{method}"
-  if draft == "random" or (draft is None and shipped not in SHIPPED_DRAFTS):
-    drafter = registry.make_drafter(method, target.config, tree, **(options or {}))
-    if draft == "random" or not registry.has_params(drafter):
-      # a method without parameters (e.g. prompt lookup) needs no draft directory
-      return drafter, drafter.init_params(jax.random.PRNGKey(seed))
-    raise ValueError(f"no trained {method} draft ships for target {target.name!r} yet; "
-                     f"pass --draft=DIR, or --draft=random for an untrained (lossless, "
-                     f"slow) draft")
-  if draft is None:
-    draft = shipped
-  options = dict(options or {})
-  inference = {k: v for k, v in options.items() if k in registry.inference_options(method)}
-  # a tree that follows from an option (Jakiro*'s choices) is re-derived from it
-  derived = registry.get(method).derives_tree
-  drafter, params = load_draft(draft, target, None if derived and inference else tree,
-                               overrides=inference)
-  if drafter.name != method:
-    raise ValueError(f"draft {draft} is a {drafter.name} draft, not {method}")
-  saved = registry.option_fields(drafter)
-  for name, value in options.items():  # architecture options must match the draft
-    if name not in inference and name in saved and saved[name] != value:
-      raise ValueError(f"draft {draft} has {name}={saved[name]}, the config asks for "
-                       f"{value}; set it to the draft's")
-  return drafter, params
 
 
 def per_prompt_runs(prompts, generate_fn, desc):
@@ -78,29 +40,29 @@ def ar_summary(outputs: list, seconds: list) -> dict:
 
 
 def ar_baseline(target, prompts, max_new_tokens: int, sampling, seed: int,
-                mesh=None, prune_schedule=None) -> dict:
+                mesh=None, prefill_fn=None) -> dict:
   """Our AR loop on each prompt (batch 1, timed after a warm-up): outputs and rates.
-  `mesh`: run sharded over it (`jakiro_jax.sharding.make_mesh`); `prune_schedule`: a
-  token-pruned prefill (`generate_ar`)."""
+  `mesh`: run sharded over it (`jakiro_jax.sharding.make_mesh`); `prefill_fn`: the
+  prompt's prefill in place of the dense one (`generate_ar`)."""
   from jakiro_jax.speculative.autoregressive import generate_ar
 
   runs = per_prompt_runs(
       prompts, lambda p, i: generate_ar(target, [p], max_new_tokens, sampling, seed=seed + i,
-                                        mesh=mesh, prune_schedule=prune_schedule),
+                                        mesh=mesh, prefill_fn=prefill_fn),
       "ar")
   return ar_summary([r.tokens[0] for r in runs], [r.seconds for r in runs])
 
 
 def spec_runs(target, drafter, params, prompts, max_new_tokens: int, sampling, seed: int,
-              mesh=None, prune_schedule=None) -> list:
+              mesh=None, prefill_fn=None) -> list:
   """Speculative generation of each prompt at batch 1 (timed after a warm-up compile per
-  prompt bucket): one `SpecOutput` per prompt. `prune_schedule`: a token-pruned prefill."""
+  prompt bucket): one `SpecOutput` per prompt. `prefill_fn`: see `generate`."""
   from jakiro_jax.speculative.generate import generate
 
   return per_prompt_runs(
       prompts, lambda p, i: generate(target, drafter, params, [p], max_new_tokens, sampling,
                                      seed=seed + i, mesh=mesh,
-                                     prune_schedule=prune_schedule), drafter.name)
+                                     prefill_fn=prefill_fn), drafter.name)
 
 
 def spec_fields(drafter, runs: list, ar: dict, sampling, draft_name: str) -> dict:
@@ -113,8 +75,9 @@ def spec_fields(drafter, runs: list, ar: dict, sampling, draft_name: str) -> dic
   new_tokens = sum(len(o) for o in outputs)
   accepts = [a for r in runs for a in r.accept_lens[0]]
   return dict(
-      draft=draft_name, fta=bool(getattr(drafter, "fta", False)),
-      reference_parity=bool(getattr(drafter, "reference_parity", False)),
+      draft=draft_name, inference_options={
+          name: getattr(drafter, name) for name in drafter.inference_options
+          if isinstance(getattr(drafter, name), (bool, int, float, str))},
       top_k_tree=tree.top_k, depth=tree.depth, total_tokens=tree.total_tokens,
       new_tokens=new_tokens, seconds=sum(seconds), tokens_per_s=new_tokens / sum(seconds),
       median_tokens_per_s=statistics.median(len(o) / s for o, s in zip(outputs, seconds)),
@@ -154,32 +117,6 @@ def base_report(method: str, target, prompts, max_new_tokens: int, sampling, ar:
           "top_p": sampling.top_p, "top_k": sampling.top_k, "n_questions": len(prompts),
           "max_new_tokens": max_new_tokens,
           **{k: v for k, v in ar.items() if k not in ("outputs", "seconds")}}
-
-
-def tree_and_options(config, method: str, **overrides):
-  """(tree, drafter options) of `method` from the config's draft block
-  (`registry.config_block`), with `overrides` (None or False = keep; the tree fields
-  top_k, depth, total_tokens go to the tree). Unknown options are a ValueError."""
-  import dataclasses
-
-  from jakiro_jax.drafts import registry
-  from jakiro_jax.drafts.base import check_options
-  from jakiro_jax.speculative.tree import TreeConfig
-
-  tree, options = registry.split_block(registry.config_block(config, method))
-  tree_fields = {k: overrides.pop(k) for k in ("top_k", "depth", "total_tokens")
-                 if k in overrides}
-  given = {k: v for k, v in tree_fields.items() if v is not None}
-  if given:
-    if registry.get(method).derives_tree:
-      raise ValueError(f"{method} derives its tree from its options; "
-                       f"{', '.join(sorted(given))} do not apply")
-    base = registry.get(method).tree_for(tree, options)
-    tree = TreeConfig(**dict(dataclasses.asdict(base), **given))
-  options.update({k: v for k, v in overrides.items() if v is not None and v is not False})
-  cls = registry.get(method)
-  check_options(cls, options)
-  return cls.tree_for(tree, options), options
 
 
 def load_results(out_dir: str) -> list[dict]:

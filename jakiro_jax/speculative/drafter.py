@@ -1,0 +1,100 @@
+"""What the generation loops need of a drafter, and the types they hand it.
+
+Axis letters: B batch, T positions, D hidden, V vocab, N tree nodes.
+
+A drafter is a frozen, hashable dataclass (a static argument of the jitted loops). The
+loops (`generate.py`, `round_timing.py`) call only the members of `GenerationDrafter`;
+training calls those of `train.objectives.TrainingDrafter`, export those of
+`drafts.torch_layout.TorchLayout`. The target's embedding and lm_head reach a drafter as
+one `TargetHead`, built once per generate or train call from the target's params.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, NamedTuple, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.speculative.sampling import SamplingConfig
+from jakiro_jax.speculative.tree import Tree, TreeConfig
+from jakiro_jax.speculative.verify import Acceptance
+
+
+@flax.struct.dataclass
+class TargetHead:
+  """The target's token embedding and lm_head: all a draft reads of the target's weights.
+
+  In training `lm_head` may be a row subset `[K, D]` (`train/vocab_subset.py`); drafting
+  always binds the full head.
+  """
+  embedding: jax.Array  # [V, D]
+  lm_head: jax.Array  # [V, D] (the embedding when the target ties them)
+
+  @classmethod
+  def of(cls, target_config: LlamaConfig, target_params, lm_head=None) -> "TargetHead":
+    params = target_params["params"]
+    embedding = params["embed_tokens"]["embedding"]
+    if lm_head is None:
+      lm_head = embedding if target_config.tie_word_embeddings else params["lm_head"]
+    return cls(embedding=embedding, lm_head=lm_head)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """Token ids `[...]` -> embeddings `[..., D]`."""
+    return jnp.take(self.embedding, tokens, axis=0)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """`[..., D]` -> fp32 logits `[..., V]`."""
+    return jnp.einsum("...D,VD->...V", hidden,
+                      self.lm_head.astype(hidden.dtype)).astype(jnp.float32)
+
+  def frozen(self) -> "TargetHead":
+    return jax.lax.stop_gradient(self)
+
+
+class RoundInputs(NamedTuple):
+  """What a drafter reads to draft one round (`GenerationDrafter.draft`)."""
+  params: Any  # the draft's params
+  head: TargetHead
+  carried_root: Any  # the drafter's carried output after the root (`carry`)
+  root: jax.Array  # [B] last sampled token, not yet verified
+  cache: Any  # the draft cache; lengths = committed tokens n
+  # run_forward(i, frontier, cache) -> (forward output, cache): the draft over a frontier
+  # of at most K nodes at tree step i (RoPE position n + i, draft cache slots n + i*K ..).
+  run_forward: Callable
+  sampling: SamplingConfig
+  rng: jax.Array
+
+
+class GenerationDrafter(Protocol):
+  """The generation role: what `generate` and the round timings call.
+
+    name, target_config, tree, draft_vocab   identity and the verify pass's size
+    init_params(rng) / init_boxed(rng)       params (boxed: logical axes for sharding)
+    new_cache(batch, max_len)                the draft's own cache (lengths [B], replace())
+    extra_cache_slots()                      slots a round uses past the committed context
+    forward(params, head, tokens [B,T], features [B,T,D], positions [B,T], cache,
+            mask [B,T,S]) -> (output, cache)  one output pytree type per method
+    carry(output)                            what a round starts from
+    draft(RoundInputs) -> (Tree, draft cache)
+    verification_plan(tree) -> (visible [B,N,N], plan)
+    accept(tree, plan, logits [B,N,V], sampling, rng) -> Acceptance
+    draft_forwards_per_round()
+  """
+  name: ClassVar[str]
+  target_config: LlamaConfig
+  tree: TreeConfig
+  draft_vocab: tuple[int, ...]
+
+  def init_params(self, rng: jax.Array) -> Any: ...
+  def init_boxed(self, rng: jax.Array) -> Any: ...
+  def new_cache(self, batch: int, max_len: int) -> Any: ...
+  def extra_cache_slots(self) -> int: ...
+  def forward(self, params, head: TargetHead, tokens, features, positions, cache, mask): ...
+  def carry(self, output) -> Any: ...
+  def draft(self, inputs: RoundInputs) -> tuple[Tree, Any]: ...
+  def verification_plan(self, tree: Tree) -> tuple[jax.Array, Any]: ...
+  def accept(self, tree: Tree, plan, logits, sampling: SamplingConfig, rng) -> Acceptance: ...
+  def draft_forwards_per_round(self) -> int: ...

@@ -1,1 +1,0 @@
-"""Application code of the launchers: benchmark runs and reports, the device report."""
