@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct (the embedded default target), fp32.
 
   python -m launch.bench --config=configs/smollm2_135m.py --method=ar \
-      --questions=../shared/data/eval/alpaca.jsonl --max_questions=5
+      --questions=path/to/eval/alpaca.jsonl --max_questions=5
 """
 
 import ml_collections

@@ -22,12 +22,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.budget = 0.3  # mean block sparsity S, in [0, 0.9)
   c.seed = 0
 
-  # Text, read at run time by path (never copied into the repository).
+  # Text the user supplies, read at run time by path (FastChat question files): set
+  #   --config.data.prompts=PATH --config.data.articles=PATH
+  #   --config.data.questions=PATH [--config.data.questions=PATH ...]
   c.data = ml_collections.ConfigDict(dict(
-      prompts="../shared/data/train/prompts.jsonl",  # calibration + router training
-      articles="../shared/data/eval/sum.jsonl",  # held-out natural text
-      questions=["../shared/data/eval/alpaca.jsonl", "../shared/data/eval/gsm8k.jsonl",
-                 "../shared/data/eval/qa.jsonl", "../shared/data/eval/humaneval.jsonl"],
+      prompts="",  # calibration + router training prompts (e.g. the training prompts)
+      articles="",  # held-out natural text (e.g. the summarisation questions, sum.jsonl)
+      questions=("",),  # held-out questions (e.g. alpaca, gsm8k, qa, humaneval .jsonl)
       mc="",  # empty: the shipped ARC-Easy subset (jakiro_jax/assets/prune/mc)
   ))
   # Search fitness batch: chat-template user turns packed into full rows.

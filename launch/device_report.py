@@ -2,7 +2,7 @@
 
   python -m launch.device_report --out=DIR [--config=configs/smollm2_135m.py] \
       [--size=auto|cpu|full] [--sections=ar_decode,speculative,peers,scale] \
-      [--methods=eagle2,jakiro,jakiro_star,gumiho,lookup] [--questions_dir=../shared/data/eval] \
+      [--methods=eagle2,jakiro,jakiro_star,gumiho,lookup] [--questions_dir=path/to/eval] \
       [--time_budget_s=S] [--fresh]
 
 Sections (`jakiro_jax/reports/device_report.py`): a. ar_decode (AR step per dtype / batch /
@@ -47,8 +47,9 @@ _SECTIONS = flags.DEFINE_list("sections", ["ar_decode", "speculative", "peers", 
                               "Sections to run.")
 _METHODS = flags.DEFINE_list("methods", list(registry.names()),
                              "Speculative methods (empty = none).")
-_QUESTIONS_DIR = flags.DEFINE_string("questions_dir", "../shared/data/eval",
-                                     "Directory of FastChat .jsonl evaluation files.")
+_QUESTIONS_DIR = flags.DEFINE_string("questions_dir", None,
+                                     "Directory of FastChat .jsonl evaluation files (the "
+                                     "speculative and peers sections need it).")
 _N_QUESTIONS = flags.DEFINE_integer("n_questions", None,
                                     "First N questions of each file (cpu 1, full 3).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None,
@@ -130,6 +131,10 @@ def main(argv):
   # Settings of every requested section, before anything is measured (bad input fails here).
   wanted = [s for s in RUN_ORDER if s in _SECTIONS.value]
   if {"speculative", "peers"} & set(wanted):
+    if not _QUESTIONS_DIR.value:
+      raise app.UsageError(
+          "the speculative and peers sections need --questions_dir=DIR (FastChat .jsonl "
+          "evaluation files), or leave them out with --sections=ar_decode,scale")
     if not os.path.isdir(_QUESTIONS_DIR.value):
       raise app.UsageError(
           f"--questions_dir={_QUESTIONS_DIR.value!r} does not exist: the speculative and "

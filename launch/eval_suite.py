@@ -1,7 +1,7 @@
 """Benchmark several methods on several question files against one AR baseline each.
 
   python -m launch.eval_suite --config=configs/smollm2_135m.py \
-      --questions=../shared/data/eval/gsm8k.jsonl,../shared/data/eval/alpaca.jsonl \
+      --questions=path/to/eval/gsm8k.jsonl,path/to/eval/alpaca.jsonl \
       --methods=eagle2,jakiro,jakiro_star,gumiho --temperatures=0,1 --max_questions=10 \
       --max_new_tokens=128 --out=results/smollm2
 

@@ -2,7 +2,7 @@
 
   python -m launch.generate --config=configs/smollm2_135m.py \
       --prompt="What is the capital of France?" --max_new_tokens=64 [--method=jakiro]
-  python -m launch.generate --questions=../shared/data/eval/gsm8k.jsonl --max_questions=5
+  python -m launch.generate --questions=path/to/eval/gsm8k.jsonl --max_questions=5
 
 Each prompt runs once with our jitted AR loop and once with the speculative loop (both
 after an untimed compile); the last line reports tokens/s, tau (mean tokens per target

@@ -70,6 +70,9 @@ def _paths(config) -> dict:
   for i, q in enumerate(data.questions):
     paths[f"questions[{i}]"] = q
   for name, path in paths.items():
+    if not path:
+      raise app.UsageError(f"config.data.{name} is not set: pass --config.data."
+                           f"{name.split('[')[0]}=PATH (FastChat .jsonl; see docs/FTP.md)")
     if not os.path.isfile(path):
       raise app.UsageError(f"config.data.{name}: no such file {path}")
   return {"prompts": data.prompts, "articles": data.articles,

@@ -1,7 +1,7 @@
 """Train a draft head (EAGLE-2, Jakiro or Gumiho) on a feature set.
 
   python -m launch.gen_data --config=configs/smollm2_135m.py \
-      --prompts=../shared/data/train/prompts.jsonl --out=data/smollm2_selfdistill
+      --prompts=path/to/prompts.jsonl --out=data/smollm2_selfdistill
   python -m launch.train --config=configs/smollm2_135m_eagle2.py \
       --data=data/smollm2_selfdistill --out=runs/smollm2_eagle2
 

@@ -130,6 +130,12 @@ def _cli(*args):
                         capture_output=True, text=True, timeout=120)
 
 
+def test_cli_names_the_data_it_needs(tmp_path):
+  out = _cli("--mode=eval", f"--out_dir={tmp_path}")
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(
+      "error: config.data.prompts is not set: pass --config.data.prompts=PATH")
+
+
 def test_cli_bad_input_is_one_line():
   out = _cli("--mode=search", "--config.budget=0.95", "--out_dir=/nonexistent/x")
   assert out.returncode == 2
@@ -148,7 +154,11 @@ def test_cli_checks_the_router_inputs(tmp_path):
   assert out.stderr.strip().splitlines()[-1] == (
       "error: --config.router.inputs must be one of factors, hidden, got 'both'")
   # ftp_hidden needs a run directory holding router_hidden/router.json
-  out = _cli("--mode=eval", f"--out_dir={tmp_path}", "--methods=dense,ftp_hidden")
+  text = tmp_path / "q.jsonl"
+  text.write_text('{"question_id": 1, "turns": ["Hi"]}\n')
+  data = [f"--config.data.{key}={text}" for key in ("prompts", "articles")]
+  out = _cli("--mode=eval", f"--out_dir={tmp_path}", "--methods=dense,ftp_hidden", *data,
+             f"--config.data.questions={text}")
   assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
       "error: --methods=ftp_hidden needs --out_dir with router_hidden/router.json "
       "(--mode=train --config.router.inputs=hidden)")
