@@ -6,20 +6,16 @@
 
 import ml_collections
 
-from jakiro_jax.drafts import registry
+from jakiro_jax.config import base_config
 
 
 def get_config() -> ml_collections.ConfigDict:
-  config = ml_collections.ConfigDict()
-  config.target = "smollm2"  # embedded name, HF model directory or .gguf file
-  config.dtype = "float32"  # bf16 on this CPU ran 2.5x slower than fp32
-  config.system_prompt = ""  # empty: the chat template's own default
+  # The shared schema and its defaults (`jakiro_jax/config.py`): the embedded SmolLM2
+  # target in fp32 (bf16 on this CPU ran 2.5x slower), the chat template's own system
+  # prompt, and every method's block with its small tree (`small_tree`): on a CPU the
+  # verify forward is compute-bound, its cost grows with every node (12 nodes ~ 2.3 AR
+  # steps here); `registry.default_blocks("papers")` holds the papers' GPU trees.
   # Without --method, launch.generate runs the first method of
   # `registry.MAIN_JOB_PREFERENCE` with a draft shipped for the target (a config may set
   # `preferred_methods` to change the order).
-  # One block per method (`jakiro_jax/drafts/registry.py: config_block`): its tree and
-  # its options by name. Each method's small tree (`small_tree`), because on a CPU the
-  # verify forward is compute-bound: its cost grows with every node (12 nodes ~ 2.3 AR
-  # steps here); `registry.default_blocks("papers")` holds the papers' GPU trees.
-  config.drafts = ml_collections.ConfigDict(registry.default_blocks("small"))
-  return config
+  return base_config(trees="small")

@@ -14,11 +14,11 @@ ftp_hidden).
 
 import ml_collections
 
+from jakiro_jax.config import base_config
+
 
 def get_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.target = "smollm2"
-  c.dtype = "float32"
+  c = base_config(trees=None)  # the shared keys (`jakiro_jax/config.py`): target, dtype, ...
   c.budget = 0.3  # mean block sparsity S, in [0, 0.9)
   c.seed = 0
 

@@ -129,6 +129,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/smollm2_135m.py")
+  cli.checked_config(_CONFIG.value)
   if not _QUESTIONS.value:
     raise app.UsageError("--questions is required (a FastChat .jsonl file)")
   cli.require_positive(max_new_tokens=_MAX_NEW.value, max_questions=_MAX_QUESTIONS.value)

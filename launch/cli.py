@@ -104,6 +104,19 @@ def print_device() -> dict:
   return device
 
 
+def checked_config(config):
+  """`config` after the shared schema's checks (`jakiro_jax.config.check_config`); a bad
+  value is a UsageError naming its key, before anything heavy loads."""
+  from jakiro_jax.config import check_config
+  if config is None:
+    raise app.UsageError("--config is required")
+  try:
+    check_config(config)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  return config
+
+
 def check_unexpected(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")

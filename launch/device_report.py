@@ -121,7 +121,7 @@ def main(argv):
 
   from jakiro_jax.reports.device_report_render import render_markdown, render_png, write_json
 
-  config = _CONFIG.value
+  config = cli.checked_config(_CONFIG.value)
   size = dr.resolve_size(_SIZE.value)
   device = dr.device_info()
   print(f"device: {device['device_kind']} (platform {device['platform']}, "

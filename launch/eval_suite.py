@@ -63,7 +63,7 @@ def main(argv):
 
   cli.require_positive(max_questions=_MAX_QUESTIONS.value, max_new_tokens=_MAX_NEW.value)
   cli.require_files(questions=_QUESTIONS.value)
-  config = _CONFIG.value
+  config = cli.checked_config(_CONFIG.value)
   methods = _METHODS.value
   drafts = _DRAFTS.value or [None] * len(methods)
   if len(drafts) != len(methods):

@@ -79,7 +79,7 @@ def main(argv):
   from jakiro_jax.train.prompt_mix import read_questions
 
   cli.require_files(prompts=_PROMPTS.value, exclude_questions=_EXCLUDE.value)
-  config = _CONFIG.value
+  config = cli.checked_config(_CONFIG.value)
   try:
     temperatures = tuple(float(t) for t in _SAMPLE_TEMPERATURES.value)
   except ValueError:

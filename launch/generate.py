@@ -100,7 +100,7 @@ def main(argv):
   from jakiro_jax.drafts.io import resolve_draft
   from jakiro_jax.drafts.registry import tree_and_options
 
-  config = _CONFIG.value
+  config = cli.checked_config(_CONFIG.value)
   sampling = SamplingConfig(_TEMPERATURE.value, _TOP_P.value, _TOP_K.value)
   texts = _PROMPTS.value
   id_prompts = None

@@ -12,30 +12,13 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from jakiro_jax.reports.benchmark import alpha_by_depth, pooled_counts
 from launch import cli
 
 _RESULTS = flags.DEFINE_string("results", None, "Directory of eval_suite JSON results.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Which temperature's results to plot.")
 _OUT = flags.DEFINE_string("out", None, "PNG file to write.")
 flags.mark_flags_as_required(["results", "out"])
-
-
-def alpha_by_depth(accept_counts) -> list[float]:
-  """alpha_k for k = 1..: P(accepted >= k | accepted >= k-1), from counts of rounds that
-  accepted j drafted tokens (`accept_counts[j]`)."""
-  alphas = []
-  for k in range(1, len(accept_counts)):
-    reached = sum(accept_counts[k - 1:])
-    if reached == 0:
-      break
-    alphas.append(sum(accept_counts[k:]) / reached)
-  return alphas
-
-
-def pooled_counts(results) -> list[int]:
-  width = max(len(r["accept_counts"]) for r in results)
-  return [sum(r["accept_counts"][j] for r in results if j < len(r["accept_counts"]))
-          for j in range(width)]
 
 
 def main(argv):

@@ -76,7 +76,7 @@ def main(argv):
   if specs[0] != "dense":
     raise app.UsageError("--schedules must start with dense (the agreement reference)")
   device = cli.print_device()
-  config = _CONFIG.value
+  config = cli.checked_config(_CONFIG.value)
   target = load_target(config.target, dtype=config.dtype)
   try:
     schedules = {spec: static_schedule(spec, target.config.num_layers) for spec in specs}

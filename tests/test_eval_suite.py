@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch.plot_results import alpha_by_depth, pooled_counts
+from jakiro_jax.reports.benchmark import alpha_by_depth, pooled_counts
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "smollm2_135m.py"

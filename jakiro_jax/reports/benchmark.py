@@ -141,3 +141,22 @@ def summary_table(results: list[dict]) -> str:
                  f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['ar_tokens_per_s']:.1f} | "
                  f"{r['speedup']:.2f}x | {mismatches} | {r['draft_forwards_per_round']} |")
   return "\n".join(lines) + "\n"
+
+
+def alpha_by_depth(accept_counts) -> list[float]:
+  """alpha_k for k = 1..: P(accepted >= k | accepted >= k-1), from counts of rounds that
+  accepted j drafted tokens (`accept_counts[j]`)."""
+  alphas = []
+  for k in range(1, len(accept_counts)):
+    reached = sum(accept_counts[k - 1:])
+    if reached == 0:
+      break
+    alphas.append(sum(accept_counts[k:]) / reached)
+  return alphas
+
+
+def pooled_counts(results) -> list[int]:
+  """`accept_counts` summed over several results (their depths may differ)."""
+  width = max(len(r["accept_counts"]) for r in results)
+  return [sum(r["accept_counts"][j] for r in results if j < len(r["accept_counts"]))
+          for j in range(width)]

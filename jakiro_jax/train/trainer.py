@@ -44,6 +44,7 @@ import numpy as np
 import optax
 
 import jakiro_jax.sharding as sharding
+from jakiro_jax.config import base_config, check_config
 from jakiro_jax.drafts import registry
 from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.train.collate import (bucket_length, pad_rows, shift_for_training,
@@ -75,14 +76,10 @@ def default_config(method: str | None = None) -> ml_collections.ConfigDict:
   """Every training setting with its default, for `method` (None: the registry's
   default): its loss weights come from the method (`loss_settings`), and the method's
   own recipe (`training_recipe`) is not applied; experiment files override a few."""
-  c = ml_collections.ConfigDict()
-  c.method = method or registry.DEFAULT_METHOD  # a registered method (`drafts/registry.py`)
-  c.target = "smollm2"  # embedded name, HF model directory or .gguf file
-  c.dtype = "float32"
-  # Draft blocks by method, the schema every config uses (`registry.config_block`): the
-  # tree (it sets the validation chain's depth) and the method's options by name;
-  # a method without a block takes its defaults.
-  c.drafts = ml_collections.ConfigDict()
+  # The shared keys (`jakiro_jax.config`): target, dtype, system_prompt, method, mesh and
+  # the draft blocks; here none, so each method trains with its own default tree (the
+  # tree sets the validation chain's depth). An experiment file sets its method's block.
+  c = base_config(method, trees=None)
   # Data.
   c.max_len = 1024  # rows are cut here (the original: 2048)
   c.batch_size = 4  # global, split over the data x fsdp devices of the mesh
@@ -115,10 +112,6 @@ def default_config(method: str | None = None) -> ml_collections.ConfigDict:
   c.keep_checkpoints = 3
   c.progress = True  # tqdm bar on stderr
   c.tensorboard = True  # event files in OUT/tb (tensorboardX); metrics.jsonl always
-  # Device mesh (data, fsdp, tensor); -1 = the rest of the devices.
-  c.mesh_data = -1
-  c.mesh_fsdp = 1
-  c.mesh_tensor = 1
   return c
 
 
@@ -296,6 +289,10 @@ def _check_config(config) -> None:
   if config.method not in registry.names():
     raise TrainInputError(f"unknown method {config.method!r}; available: "
                           f"{sorted(registry.names())}")
+  try:
+    check_config(config)
+  except ValueError as e:
+    raise TrainInputError(str(e)) from None
   for name in ("batch_size", "max_len", "log_every", "save_every"):
     if config[name] < 1:
       raise TrainInputError(f"config.{name} must be >= 1, got {config[name]}")

@@ -1,0 +1,278 @@
+"""FTP runs end to end, as `launch.prune` drives them: the schedule search, the router
+training (with the schedule fine-tune) and the evaluation against the baselines. Each
+takes the FTP config (`configs/*_ftp.py`), a run directory and the data paths
+(`data_paths`); every run is seeded and resumes where a killed one stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from jakiro_jax.atomic_dir import write_json
+
+ALL_METHODS = ("dense", "ftp_dynamic", "ftp_static", "uniform_static", "random", "shortgpt",
+               "ftp_hidden")
+METHOD_LABELS = {
+    "dense": "dense",
+    "ftp_dynamic": "FTP-dynamic (trained router, fine-tuned schedule)",
+    "ftp_static": "FTP-static (searched schedule)",
+    "uniform_static": "uniform static",
+    "random": "random token skipping",
+    "shortgpt": "ShortGPT (whole blocks removed)",
+    "ftp_hidden": "FTP-hidden (hidden-state router, searched schedule)",
+}
+ROUTER_DIRS = {"factors": "router", "hidden": "router_hidden"}
+
+
+def data_paths(config) -> dict:
+  """Data paths of the config, checked before the target loads."""
+  from jakiro_jax.prune.assets import MC_FILE
+  data = config.data
+  paths = {"prompts": data.prompts, "articles": data.articles}
+  for i, q in enumerate(data.questions):
+    paths[f"questions[{i}]"] = q
+  for name, path in paths.items():
+    if not path:
+      raise ValueError(f"config.data.{name} is not set: pass --config.data."
+                           f"{name.split('[')[0]}=PATH (FastChat .jsonl; see docs/FTP.md)")
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"config.data.{name}: no such file {path}")
+  return {"prompts": data.prompts, "articles": data.articles,
+          "questions": list(data.questions), "mc": data.mc or MC_FILE}
+
+
+def target_of(config):
+  from jakiro_jax.target import load_target
+  return load_target(config.target, dtype=config.dtype)
+
+
+def _calibration(target, config, paths, rows, length, seed):
+  from jakiro_jax.prune import evaluate as ev
+  return ev.calibration_rows(target, paths["prompts"], rows, length, seed)
+
+
+def _ga_settings(config, block, **over):
+  from jakiro_jax.prune.search import GASettings
+  values = dict(population=block.population, generations=block.generations,
+                sigma=block.sigma, seed=config.seed)
+  for key in ("tournament", "max_mutated", "elitism", "s_max", "init_noise"):
+    if key in block:
+      values[key] = block[key]
+  values.update(over)
+  return GASettings(**values)
+
+
+def run_search(config, out_dir, paths) -> None:
+  import numpy as np
+
+  from jakiro_jax.prune import baselines, search
+
+  target = target_of(config)
+  tokens = _calibration(target, config, paths, config.calib_rows, config.calib_length,
+                        config.seed)
+  influence = baselines.block_influence(target.params, target.config, tokens,
+                                        np.full(len(tokens), tokens.shape[1]))
+  settings = _ga_settings(config, config.ga)
+  n = target.config.num_layers
+  seeds = [search.uniform_genome(n, config.budget, settings),
+           search.influence_genome(influence, config.budget, settings)]
+  fitness = search.kl_fitness(target.params, target.config, tokens,
+                              agree_weight=config.ga.agree_weight)
+  start = time.time()
+  result = search.run_search(fitness, n, config.budget, settings,
+                             os.path.join(out_dir, "search"), seeds)
+  record = {"schedule": list(result["schedule"]), "fitness": result["fitness"],
+            "history": result["history"], "budget": config.budget,
+            "uniform_fitness": fitness(tuple(seeds[0])),
+            "influence_fitness": fitness(tuple(seeds[1])),
+            "block_influence": influence.tolist(), "seconds": time.time() - start}
+  write_json(os.path.join(out_dir, "schedule.json"), record)
+  print(f"searched schedule (fitness {result['fitness']:.4f}; uniform "
+        f"{record['uniform_fitness']:.4f}, BI-proportional {record['influence_fitness']:.4f}):"
+        f" {' '.join(f'{s:.2f}' for s in result['schedule'])}")
+
+
+def read_schedule(out_dir) -> tuple:
+  path = os.path.join(out_dir, "schedule.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no searched schedule {path}: run --mode=search first")
+  try:
+    with open(path) as f:
+      return tuple(json.load(f)["schedule"])
+  except (ValueError, KeyError):
+    raise ValueError(f"{path} is corrupt (no 'schedule')") from None
+
+
+def run_train(config, out_dir, paths) -> None:
+  from jakiro_jax.prune import search
+  from jakiro_jax.prune import train_router as tr
+
+  schedule = read_schedule(out_dir)
+  target = target_of(config)
+  r = config.router
+  inputs = r.get("inputs", "factors")
+  tokens = _calibration(target, config, paths, r.rows, r.length, config.seed + 1)
+  settings = tr.RouterSettings(steps=r.steps, batch_size=r.batch_size, lr=r.lr,
+                               weight_decay=r.weight_decay, clip=r.clip,
+                               guide_fraction=r.guide_fraction, save_every=r.save_every,
+                               seed=config.seed)
+  router_dir = os.path.join(out_dir, ROUTER_DIRS[inputs])
+  start = time.time()
+  result = tr.train_router(target.params, target.config, tokens, schedule, settings,
+                           router_dir, inputs=inputs)
+  train_seconds = time.time() - start
+  router = result["router"]
+  finetuned, ft_record = schedule, {}
+  calib = _calibration(target, config, paths, config.calib_rows, config.calib_length,
+                       config.seed)
+  fitness = search.kl_fitness(target.params, target.config, calib,
+                              agree_weight=config.ga.agree_weight, router=router)
+  # The hidden-state router is the input ablation: evaluated on the searched schedule.
+  if inputs == "factors" and config.finetune.generations > 0:
+    ft = _ga_settings(config, config.finetune, init_noise=config.finetune.sigma)
+    res = search.run_search(fitness, target.config.num_layers, config.budget, ft,
+                            os.path.join(out_dir, "finetune"), [schedule])
+    finetuned = res["schedule"]
+    ft_record = {"finetune_history": res["history"]}
+  ft_record.update(searched_schedule=list(schedule),
+                   searched_fitness_dynamic=fitness(schedule))
+  # The loss terms of this call's steps (all of them unless it resumed a killed run).
+  history = result["history"]
+  if history:
+    ft_record.update(history_first_step=result["step"] - len(history) + 1,
+                     history=history)
+  tr.save_router(os.path.join(router_dir, tr.ROUTER_FILE), router, finetuned,
+                 dict(ft_record, steps=settings.steps, train_seconds=train_seconds,
+                      target=config.target, inputs=inputs))
+  print(f"searched schedule with the trained router in the loop: fitness "
+        f"{ft_record['searched_fitness_dynamic']:.4f}")
+  if history:
+    first_step = ft_record["history_first_step"]
+    print(f"distillation KL: step {first_step} {history[0]['distill']:.3f}, step "
+          f"{result['step']} {history[-1]['distill']:.3f}")
+  print(f"{inputs} router trained ({settings.steps} steps, {train_seconds:.0f} s); schedule "
+        f"{'fine-tuned' if 'finetune_history' in ft_record else 'as searched'}: "
+        f"{' '.join(f'{s:.2f}' for s in finetuned)}")
+
+
+def _progress(start, what) -> None:
+  print(f"[{time.time() - start:6.0f} s] {what}", flush=True)
+
+
+def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "smollm2_s30",
+             with_mc: bool = True) -> dict:
+  """Evaluates `methods` (names of `ALL_METHODS`) at the router's budget: the router of
+  `out_dir` (DIR/router, and DIR/router_hidden for ftp_hidden) or the shipped one named
+  `shipped`. Returns the report (per method: articles, questions, greedy agreement,
+  decode sparsity, MC accuracy); `eval_table` formats it."""
+  import numpy as np
+
+  from jakiro_jax.prune import assets, baselines, routers
+  from jakiro_jax.prune import evaluate as ev
+  from jakiro_jax.prune import train_router as tr
+  from jakiro_jax.prune.schedule import mean_sparsity, uniform_schedule
+
+  hidden_file = (os.path.join(out_dir, ROUTER_DIRS["hidden"], tr.ROUTER_FILE)
+                 if out_dir else None)
+
+  if out_dir:
+    router, schedule, record = tr.load_router(os.path.join(out_dir, "router"))
+    source = out_dir
+  else:
+    router, schedule, record = assets.load_shipped(shipped)
+    source = f"shipped:{shipped}"
+  searched = tuple(record.get("searched_schedule", schedule))
+  budget = mean_sparsity(schedule)
+  hidden_router = hidden_schedule = None
+  if "ftp_hidden" in methods:
+    hidden_router, hidden_schedule, _ = tr.load_router(hidden_file)
+    if abs(mean_sparsity(hidden_schedule) - budget) > 1e-6:
+      raise ValueError(f"{hidden_file} has budget {mean_sparsity(hidden_schedule):.4f}, "
+                       f"the router in {out_dir}/router {budget:.4f}")
+  target = target_of(config)
+  tc = target.config
+  for where, r in ((f"{source} router", router), (hidden_file, hidden_router)):
+    if r is not None:  # a clear error for a router of another model's hidden size
+      try:
+        routers.router_input_kind(routers.router_input_size(r), tc.hidden_size)
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+  e = config.eval
+  calib = _calibration(target, config, paths, config.calib_rows, config.calib_length,
+                       config.seed)
+  influence = baselines.block_influence(target.params, tc, calib,
+                                        np.full(len(calib), calib.shape[1]))
+  known = {
+      "dense": ev.Method("dense", "dense"),
+      "ftp_dynamic": ev.Method("ftp_dynamic", "dynamic", schedule, router=router),
+      "ftp_static": ev.Method("ftp_static", "static", searched),
+      "uniform_static": ev.Method("uniform_static", "static",
+                                  uniform_schedule(tc.num_layers, budget)),
+      "random": ev.Method("random", "random", uniform_schedule(tc.num_layers, budget),
+                          seed=e.random_seed),
+      "shortgpt": ev.Method("shortgpt", "shortgpt",
+                            removed=baselines.shortgpt_removed(influence, budget)),
+  }
+  if hidden_router is not None:
+    known["ftp_hidden"] = ev.Method("ftp_hidden", "dynamic", hidden_schedule,
+                                    router=hidden_router)
+  chosen = [known[m] for m in methods]
+  report = {"source": source, "budget": budget, "schedule": list(schedule),
+            "searched_schedule": list(searched),
+            "hidden_schedule": None if hidden_schedule is None else list(hidden_schedule),
+            "shortgpt_removed": list(known["shortgpt"].removed), "methods": {}}
+  start = time.time()
+  articles = ev.article_rows(target, paths["articles"], e.articles, e.article_length)
+  q_tokens, q_lengths = ev.question_rows(target, paths["questions"], e.questions_per_file,
+                                         e.question_length)
+  art = ev.compare(target.params, tc, chosen, articles, None, e.batch_size)
+  que = ev.compare(target.params, tc, chosen, q_tokens, q_lengths, e.batch_size)
+  gen_tok, gen_len = q_tokens[:e.gen_prompts], q_lengths[:e.gen_prompts]
+  reference, _ = ev.generate(target.params, tc, known["dense"], gen_tok, gen_len,
+                             e.gen_tokens)
+  _progress(start, "articles, questions and the dense greedy reference")
+  mc = {}
+  if with_mc:
+    items = ev.read_mc(paths["mc"], e.mc_items)
+    for m in chosen:
+      mc.update(ev.score_mc(target.params, tc, target, [m], items, e.mc_length, 16))
+      _progress(start, f"MC {m.name}: {mc[m.name]:.3f}")
+  for m in chosen:
+    tokens, keep = ev.generate(target.params, tc, m, gen_tok, gen_len, e.gen_tokens)
+    _progress(start, f"greedy {m.name}")
+    report["methods"][m.name] = {
+        "label": METHOD_LABELS[m.name],
+        "articles": art[m.name], "questions": que[m.name],
+        "greedy": ev.greedy_agreement(reference, tokens),
+        "decode_sparsity": float(1.0 - keep.mean()),
+        "mc_accuracy": mc.get(m.name)}
+  report["seconds"] = time.time() - start
+  dense_mc = mc.get("dense")
+  for r in report["methods"].values():
+    acc = r["mc_accuracy"]
+    r["mc_retention"] = (acc / dense_mc) if (acc is not None and dense_mc) else None
+  report["settings"] = {"articles": e.articles, "article_length": e.article_length,
+                        "questions": len(q_tokens), "gen_prompts": e.gen_prompts,
+                        "gen_tokens": e.gen_tokens, "mc_items": e.mc_items if mc else 0}
+  return report
+
+
+def eval_table(report: dict) -> str:
+  """The evaluation report as the lines `launch.prune --mode=eval` prints."""
+  s = report["settings"]
+  lines = [f"{report['source']}: budget {report['budget']:.3f}, {s['articles']} articles x "
+           f"{s['article_length']}, {s['questions']} questions, greedy {s['gen_prompts']} x "
+           f"{s['gen_tokens']}" + (f", MC {s['mc_items']} ARC-Easy items"
+                                   if s["mc_items"] else ""),
+           f"{'method':15s} {'spars':>6s} {'flops':>6s} {'ppl':>9s} {'KL':>7s} {'top1':>6s} "
+           f"{'KLlast':>7s} {'t1last':>6s} {'greedy':>6s} {'MC':>6s} {'retain':>6s}"]
+  for name, r in report["methods"].items():
+    a, q = r["articles"], r["questions"]
+    acc, retain = r["mc_accuracy"], r["mc_retention"]
+    lines.append(f"{name:15s} {a['sparsity']:6.3f} {a['flops_ratio']:6.3f} "
+                 f"{a['perplexity']:9.2f} {a['kl']:7.3f} {a['top1']:6.3f} "
+                 f"{q['kl_last']:7.3f} {q['top1_last']:6.3f} {r['greedy']['match']:6.3f} "
+                 + (f"{acc:6.3f} {retain:6.3f}" if acc is not None else "     -      -"))
+  return "\n".join(lines)
