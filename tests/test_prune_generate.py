@@ -129,3 +129,15 @@ def test_named_schedules(tmp_path):
     static_schedule("uniform:x", 30)
   with pytest.raises(ValueError, match="schedule has 30 entries, the model has 2 layers"):
     static_schedule("smollm2_s30", 2)
+
+
+def test_a_prefill_fn_must_be_hashable(target, prompts):
+  class Unhashable:
+    __hash__ = None
+
+    def __call__(self, *args):
+      raise AssertionError("never traced")
+
+  with pytest.raises(ValueError, match="prefill_fn must be hashable"):
+    generate_ar(target, prompts, 4, prefill_fn=Unhashable())
+  assert hash(PrunedPrefill([0.1, 0.2])) == hash(PrunedPrefill((0.1, 0.2)))  # static arg
