@@ -297,7 +297,7 @@ def test_online_and_stored_features_give_the_same_loss(tiny_target, feature_set)
   losses = []
   for online in (False, True):
     settings = StepSettings(online=online, noise=True, noise_std=0.2, steps_per_epoch=5,
-                            loss=LossSettings())
+                            loss=drafter.loss_settings())
     arrays = dict(batch) if not online else {k: v for k, v in batch.items() if k != "features"}
     loss, _ = jax.jit(lambda p, b: step_loss(drafter, settings, p, b, target.params, head,
                                              jnp.int32(0), jax.random.PRNGKey(4)))(params, arrays)
