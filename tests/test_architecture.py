@@ -117,6 +117,19 @@ def test_no_import_cycles_between_packages():
   assert "jakiro_jax.speculative" in graph["jakiro_jax.drafts"]  # real edges are seen
 
 
+def test_pruning_runs_the_models_own_blocks():
+  """One target forward: the token-skipping paths call `models.llama.DecoderLayer` (its
+  gate / write / within-call options) and write no attention or MLP maths of their own."""
+  modules = _modules()
+  graph = _import_graph()
+  for module in ("jakiro_jax.prune.model", "jakiro_jax.prune.prefill"):
+    source = open(modules[module]).read()
+    assert "DecoderLayer(config, layer).apply(" in source, module
+    for name in ("apply_rope", "matmul_out_in", "attention_values", "rope_inverse"):
+      assert name not in source, (module, name)
+    assert "jakiro_jax.models.llama" in graph[module]
+
+
 def test_cycle_finder_finds_a_cycle():
   assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -113,13 +113,31 @@ def attention_values(probs: jax.Array, values: jax.Array) -> jax.Array:
                     precision=precision).transpose(0, 3, 1, 2, 4)
 
 
+def attention_probs(q: jax.Array, keys: jax.Array, mask: jax.Array,
+                    head_dim: int) -> jax.Array:
+  """Softmax attention weights `[B, K, G, T, S]` of q `[B, T, K, G, H]` over keys
+  `[B, K, S, H]` under mask `[B, T, S]` (fp32 scores; a masked-out key gets weight 0)."""
+  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, keys,
+                      precision=dot_precision(q, keys)).astype(jnp.float32)
+  scores = scores * (head_dim ** -0.5)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(scores, axis=-1)
+
+
 class Attention(nn.Module):
-  """Grouped-query attention over the static cache of one layer."""
+  """Grouped-query attention over the static cache of one layer.
+
+  Token pruning (`jakiro_jax.prune`) uses two options: `write [B, T]` (False: the token
+  writes no K/V, its slot is left as it was) and `cache=None` (attention among this
+  call's tokens only under a `[B, T, T]` mask; returns their K/V `[B, T, K, H]` each
+  instead of a cache: the gathered prefill). `return_probs` adds the attention weights
+  `[B, K, G, T, S]` to the returns."""
   config: LlamaConfig
   layer: int
 
   @nn.compact
-  def __call__(self, x, positions, cache: KVCache, mask):
+  def __call__(self, x, positions, cache: KVCache | None, mask, write=None,
+               return_probs: bool = False):
     cfg = self.config
     kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
     qkv_w = weight_param(self, "qkv", (kv, g + 2, hd, d),
@@ -134,8 +152,12 @@ class Attention(nn.Module):
     q = apply_rope(qkv[:, :, :, :g], positions, inv_freq, scale)  # [B, T, K, G, H]
     k_new = apply_rope(qkv[:, :, :, g], positions, inv_freq, scale)  # [B, T, K, H]
     v_new = qkv[:, :, :, g + 1]
+    if cache is None:
+      return self._within_call(q, k_new, v_new, positions, mask, return_probs)
 
     slots = cache.write_slots(x.shape[1])  # [B, T]
+    if write is not None:  # a token that writes nothing: its write goes to slot S, dropped
+      slots = jnp.where(write, slots, cache.max_len)
     rows = jnp.arange(x.shape[0])[:, None]
     # [B, T] indices around the heads slice: the update is [B, T, K, H], as computed.
     k_all = cache.k.at[self.layer, rows, :, slots].set(k_new.astype(cache.k.dtype),
@@ -150,8 +172,9 @@ class Attention(nn.Module):
       raise ValueError(f"mask over {seen} slots for a cache of {cache.max_len}")
     keys = k_all[self.layer, :, :, :seen]  # [B, K, S', H]
     values = v_all[self.layer, :, :, :seen]
-    if cache.skipped is not None:
-      mask = mask & ~cache.skipped[self.layer][:, None, :seen]
+    skipped = getattr(cache, "skipped", None)
+    if skipped is not None:
+      mask = mask & ~skipped[self.layer][:, None, :seen]
     window = cfg.window_of(self.layer)
     if window is not None:
       # Committed slot s holds position s; this call's tokens sit at their positions.
@@ -160,18 +183,33 @@ class Attention(nn.Module):
       key_positions = key_positions.at[rows, slots].set(positions, mode="drop")
       mask = mask & (key_positions[:, None, :] > positions[:, :, None] - window)
 
-    scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, keys,
-                        precision=dot_precision(q, keys)).astype(jnp.float32)
-    scores = scores * (hd ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = attention_values(probs, values)
+    probs = attention_probs(q, keys, mask, hd).astype(values.dtype)
+    out = self._output(attention_values(probs, values))
+    cache = cache.replace(k=k_all, v=v_all)
+    return (out, cache, probs) if return_probs else (out, cache)
+
+  def _within_call(self, q, k_new, v_new, positions, mask, return_probs: bool):
+    """Attention among this call's T tokens (mask `[B, T, T]`, the sliding window by
+    position applied here) -> (out, (k, v) `[B, T, K, H]`[, probs])."""
+    window = self.config.window_of(self.layer)
+    if window is not None:
+      mask = mask & (positions[:, None, :] > positions[:, :, None] - window)
+    keys, values = k_new.swapaxes(1, 2), v_new.swapaxes(1, 2)  # [B, K, T, H]
+    probs = attention_probs(q, keys, mask, self.config.head_dim).astype(values.dtype)
+    out = self._output(attention_values(probs, values))
+    return (out, (k_new, v_new), probs) if return_probs else (out, (k_new, v_new))
+
+  def _output(self, out):
+    """`[B, T, K, G, H]` -> `[B, T, D]` through o (and its bias)."""
+    cfg = self.config
+    kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
     o_w = weight_param(self, "o", (d, kv, g, hd), ("embed", "kv_heads", None, "head_dim"),
-                  cfg.dtype)
+                       cfg.dtype)
     out = matmul_out_in(out, o_w, in_dims=3)
     if cfg.attention_out_bias:
-      out = out + weight_param(self, "o_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
-    return out, cache.replace(k=k_all, v=v_all)
+      out = out + weight_param(self, "o_bias", (d,), ("embed",), cfg.dtype,
+                               nn.initializers.zeros)
+    return out
 
 
 class MLP(nn.Module):
@@ -200,20 +238,27 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+  """A pre-norm block. Token pruning (`jakiro_jax.prune`) passes `gate [B, T]`, which
+  scales both residual updates (1: the dense block, exactly; 0: the token passes through
+  unchanged; a straight-through gate trains a router), and the attention's `write`,
+  `cache=None` and `return_probs` (`Attention`)."""
   config: LlamaConfig
   layer: int
   input_norm: bool = True  # EAGLE-style drafts feed the first layer un-normalised
 
   @nn.compact
-  def __call__(self, x, positions, cache, mask):
+  def __call__(self, x, positions, cache, mask, gate=None, write=None,
+               return_probs: bool = False):
     cfg = self.config
+    scale = (lambda u: u) if gate is None else (lambda u: gate[..., None] * u)
     h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="input_norm")(x) if self.input_norm else x
-    h, cache = Attention(cfg, self.layer, name="attn")(h, positions, cache, mask)
-    x = x + h
+    h, cache, *probs = Attention(cfg, self.layer, name="attn")(h, positions, cache, mask,
+                                                             write, return_probs)
+    x = x + scale(h)
     h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_attention_norm")(x)
-    x = x + MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, cfg.mlp_bias,
-                name="mlp")(h)
-    return x, cache
+    x = x + scale(MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, cfg.mlp_bias,
+                      name="mlp")(h))
+    return (x, cache, probs[0]) if return_probs else (x, cache)
 
 
 class Llama(nn.Module):

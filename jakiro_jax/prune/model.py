@@ -3,8 +3,10 @@
 Axis letters as in `jakiro_jax.models.llama`: B batch, T tokens of this call, S cache
 slots, D hidden, K kv heads, G query heads per kv head, H head dim, V vocab, L layers.
 
-Pure functions over the dense model's params pytree (`params["params"]["layers_i"]...`);
-the dense `Llama` module is untouched. At block i a route decides per token: a kept token
+Pure functions over the dense model's params pytree (`params["params"]["layers_i"]...`)
+that run the model's own blocks (`models.llama.DecoderLayer` with its `gate`, `write` and
+`return_probs` options): one forward, routed here. At block i a route decides per token:
+a kept token
 gets the normal pre-norm update with attention over the kept tokens only; a skipped token
 passes through the residual unchanged, is neither a query nor a key at block i, and writes
 no K/V at layer i (`PrunedCache.valid[i]` stays false at its slot). The update is
@@ -23,11 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
-                                     rope_inverse_frequencies)
+from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import causal_mask
-from jakiro_jax.models.llama import (MLP, Llama, RMSNorm, matmul_out_in, apply_rope,
-                                    attention_values, dot_precision)
+from jakiro_jax.models.llama import DecoderLayer, Llama, RMSNorm
 from jakiro_jax.prune.cache import PrunedCache
 from jakiro_jax.prune.route import BlockContext, Decision, Route, fixed_route
 from jakiro_jax.prune.schedule import check_schedule
@@ -51,12 +51,6 @@ def rms_norm(norm_params: Mapping[str, Any], config: LlamaConfig, x: jax.Array) 
   return RMSNorm(config.rms_norm_eps, config.dtype).apply({"params": norm_params}, x)
 
 
-def mlp(mlp_params: Mapping[str, Any], config: LlamaConfig, x: jax.Array) -> jax.Array:
-  """The dense model's SwiGLU MLP over `x [B, T, D]`."""
-  return MLP(config.hidden_size, config.intermediate_size, config.dtype,
-             config.mlp_bias).apply({"params": mlp_params}, x)
-
-
 def embed(params, config: LlamaConfig, tokens: jax.Array) -> jax.Array:
   """Token embeddings `[B, T, D]`."""
   return Llama(config).apply(params, tokens, method=Llama.embed)
@@ -74,44 +68,6 @@ def last_logits(params, config: LlamaConfig, features: jax.Array,
   return logits_of(params, config, last)
 
 
-def project_qkv(attn_params: Mapping[str, Any], config: LlamaConfig, h: jax.Array,
-                positions: jax.Array):
-  """Normed hidden `h [B, T, D]` -> q `[B, T, K, G, H]`, k, v `[B, T, K, H]` (RoPE'd),
-  exactly as the dense attention computes them."""
-  g = config.queries_per_kv
-  qkv = matmul_out_in(h, attn_params["qkv"], in_dims=1)  # [B, T, K, C, H]
-  if config.attention_bias:
-    qkv = qkv + attn_params["qkv_bias"]
-  inv_freq = jnp.asarray(rope_inverse_frequencies(config))
-  scale = rope_attention_factor(config)
-  q = apply_rope(qkv[:, :, :, :g], positions, inv_freq, scale)
-  k = apply_rope(qkv[:, :, :, g], positions, inv_freq, scale)
-  return q, k, qkv[:, :, :, g + 1]
-
-
-def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
-           head_dim: int):
-  """q `[B, T, K, G, H]` over keys/values `[B, K, S, H]` with mask `[B, T, S]`.
-
-  Returns (out `[B, T, K, G, H]`, probs `[B, K, G, T, S]`), the dense model's maths."""
-  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, keys,
-                      precision=dot_precision(q, keys)).astype(jnp.float32)
-  scores = scores * (head_dim ** -0.5)
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-  out = attention_values(probs, values)
-  return out, probs
-
-
-def output_projection(attn_params: Mapping[str, Any], config: LlamaConfig,
-                      out: jax.Array) -> jax.Array:
-  """`[B, T, K, G, H]` -> `[B, T, D]` through o (and its bias)."""
-  out = matmul_out_in(out, attn_params["o"], in_dims=3)
-  if config.attention_out_bias:
-    out = out + attn_params["o_bias"]
-  return out
-
-
 def received_attention(probs: jax.Array, query_weight: jax.Array) -> jax.Array:
   """Head-mean attention each key receives from the weighted queries.
 
@@ -122,48 +78,27 @@ def received_attention(probs: jax.Array, query_weight: jax.Array) -> jax.Array:
   return summed / heads
 
 
-def block_update(layer_params: Mapping[str, Any], config: LlamaConfig, x: jax.Array,
-                 attn_out: jax.Array, gate: jax.Array) -> jax.Array:
-  """Residual adds of one block, both scaled by `gate [B, T]`: a gate of exactly 1 is the
-  dense block (x + 1.0 * h == x + h), 0 leaves x unchanged."""
-  x = x + gate[..., None] * attn_out
-  h = rms_norm(layer_params["post_attention_norm"], config, x)
-  return x + gate[..., None] * mlp(layer_params["mlp"], config, h)
-
-
 def _masked_block(layer_params, config: LlamaConfig, layer: int, x: jax.Array,
                   positions: jax.Array, decision: Decision, cache: PrunedCache):
-  """One block over all T tokens with the decision as masks. Returns (x, cache)."""
+  """One block over all T tokens with the decision as masks: the model's own
+  `DecoderLayer` with `gate` and `write`. Returns (x, cache)."""
   batch, num_new = x.shape[:2]
   keep = decision.keep
   gate = keep.astype(x.dtype) if decision.gate is None else decision.gate.astype(x.dtype)
-  h = rms_norm(layer_params["input_norm"], config, x)
-  q, k_new, v_new = project_qkv(layer_params["attn"], config, h, positions)
-
   rows = jnp.arange(batch)[:, None]
   slots = cache.write_slots(num_new)  # [B, T]
-  # Skipped tokens write no K/V: their writes go to slot S, which "drop" discards.
-  write = jnp.where(keep, slots, cache.max_len)
-  k_all = cache.k.at[layer, rows, :, write].set(k_new.astype(cache.k.dtype), mode="drop")
-  v_all = cache.v.at[layer, rows, :, write].set(v_new.astype(cache.v.dtype), mode="drop")
-  # This call's slots are (re)marked, clearing stale bits of a reused slot.
+  # This call's slots are (re)marked, clearing stale bits of a reused slot; a skipped
+  # token is neither a key here nor writes K/V (`write`).
   valid = cache.valid[layer].at[rows, slots].set(keep, mode="drop")  # [B, S]
-
   mask = causal_mask(cache.lengths, num_new, cache.max_len) & valid[:, None, :]
-  window = config.window_of(layer)
-  if window is not None:
-    key_positions = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32),
-                                     (batch, cache.max_len))
-    key_positions = key_positions.at[rows, slots].set(positions, mode="drop")
-    mask = mask & (key_positions[:, None, :] > positions[:, :, None] - window)
-  out, probs = attend(q, k_all[layer], v_all[layer], mask, config.head_dim)
-  attn_out = output_projection(layer_params["attn"], config, out)
-
+  x, cache, probs = DecoderLayer(config, layer).apply(
+      {"params": layer_params}, x, positions, cache, mask, gate=gate, write=keep,
+      return_probs=True)
   received = cache.received[layer].at[rows, slots].set(0.0, mode="drop")
   received = received + received_attention(probs, keep)
-  cache = cache.replace(k=k_all, v=v_all, valid=cache.valid.at[layer].set(valid),
+  cache = cache.replace(valid=cache.valid.at[layer].set(valid),
                         received=cache.received.at[layer].set(received))
-  return block_update(layer_params, config, x, attn_out, gate), cache
+  return x, cache
 
 
 def check_keep(keep, batch: int, num_layers: int, num_new: int) -> None:

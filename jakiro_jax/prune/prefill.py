@@ -24,12 +24,12 @@ import jax.numpy as jnp
 
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
+from jakiro_jax.models.llama import DecoderLayer
 from jakiro_jax.prune import routers
 from jakiro_jax.prune.cache import PrunedCache
-from jakiro_jax.prune.model import (PrunedOutput, as_route, attend, block_update, call_context,
-                                    check_call, embed, last_logits, logits_of,
-                                    output_projection, project_qkv, received_attention,
-                                    rms_norm, without_padding)
+from jakiro_jax.prune.model import (PrunedOutput, as_route, call_context, check_call, embed,
+                                    last_logits, logits_of, received_attention, rms_norm,
+                                    without_padding)
 from jakiro_jax.prune.route import BlockContext
 from jakiro_jax.prune.schedule import check_schedule, keep_counts
 
@@ -51,17 +51,12 @@ def _gathered_block(layer_params, config: LlamaConfig, layer: int, x: jax.Array,
   rows = jnp.arange(batch)[:, None]
   xs = x[rows, idx]  # [B, k, D]
   ps = positions[rows, idx]  # [B, k]
-  h = rms_norm(layer_params["input_norm"], config, xs)
-  q, k_new, v_new = project_qkv(layer_params["attn"], config, h, ps)
-  k_new, v_new = k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype)  # [B, k, K, H]
-
-  # Attention over the kept set only: causal by position, extra (not kept) rows masked.
+  # The model's own block over the kept set only (attention within the call: causal by
+  # position, extra (not kept) rows masked), its residual updates scaled by the gate.
   mask = (ps[:, None, :] <= ps[:, :, None]) & sel_keep[:, None, :]  # [B, k, k]
-  window = config.window_of(layer)
-  if window is not None:
-    mask = mask & (ps[:, None, :] > ps[:, :, None] - window)
-  out, probs = attend(q, k_new.swapaxes(1, 2), v_new.swapaxes(1, 2), mask, config.head_dim)
-  attn_out = output_projection(layer_params["attn"], config, out)
+  xs, (k_new, v_new), probs = DecoderLayer(config, layer).apply(
+      {"params": layer_params}, xs, ps, None, mask, gate=sel_gate, return_probs=True)
+  k_new, v_new = k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype)  # [B, k, K, H]
 
   # This call owns slots 0..T-1: scatter into [B, T] buffers (not kept -> index T, dropped),
   # then write them as static slices of the layer's cache.
@@ -78,7 +73,6 @@ def _gathered_block(layer_params, config: LlamaConfig, layer: int, x: jax.Array,
       v=cache.v.at[layer, :, :, :num_new].set(kv[:, :, 1].swapaxes(1, 2)),
       valid=cache.valid.at[layer].set(jnp.pad(computed, ((0, 0), (0, pad)))),
       received=cache.received.at[layer].set(jnp.pad(received, ((0, 0), (0, pad)))))
-  xs = block_update(layer_params, config, xs, attn_out, sel_gate)
   return x.at[rows, idx].set(xs), cache, computed
 
 
