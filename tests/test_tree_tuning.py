@@ -384,3 +384,29 @@ def test_write_tuning_prior_flag_refuses_what_it_cannot_measure(tmp_path, flags,
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert message in proc.stderr.strip().splitlines()[-1]
 
+
+def test_shipped_priors_hold_every_candidate_of_the_main_jobs_drafters(smollm2):
+  """Each shipped draft's prior matches its weights, the default calibration and, per
+  candidate, the drafter the main job builds (the config's options applied)."""
+  from configs.smollm2_135m import get_config
+  from jakiro_jax.drafts import registry
+  from jakiro_jax.drafts.io import SHIPPED_DRAFTS, load_draft
+  from jakiro_jax.speculative.sampling import SamplingConfig
+  config = get_config()
+  prompts = tree_tuning.calibration_prompts(smollm2, None)
+  checked = 0
+  for name in SHIPPED_DRAFTS:
+    method = name.removeprefix(f"{smollm2.name}-")
+    _, options = registry.split_block(registry.config_block(config, method))
+    inference = {k: v for k, v in options.items() if k in registry.inference_options(method)}
+    drafter, _ = load_draft(name, smollm2, None, overrides=inference)
+    directory = tree_tuning.draft_directory(smollm2.name, method, None)
+    key = tree_tuning.prior_key(smollm2, method, tree_tuning.draft_weights_digest(directory),
+                                prompts, 48, SamplingConfig(), 0)
+    taus = tree_tuning.read_prior(directory, key)
+    assert taus is not None, f"{name}: no matching {tree_tuning.PRIOR_FILE}"
+    for choice in candidate_grid(drafter):
+      candidate = apply_choice(drafter, choice)
+      assert tree_tuning.drafter_digest(candidate) in taus, (name, choice.label())
+    checked += 1
+  assert checked == len(SHIPPED_DRAFTS) >= 1
