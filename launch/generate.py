@@ -13,7 +13,9 @@ forward) and the speedup. The draft is the one shipped for the config's target (
 (`jakiro_jax/speculative/tree_tuning.py`: round and AR-step timings with acceptance on a small
 calibration set, cached per device, target, method, draft, dtype and sampling). If no tree
 beats the AR loop, it says so and decodes with AR. --tree=config takes the config's tree;
---tree=TOP_K,DEPTH,TOTAL_TOKENS a given one.
+--tree=TOP_K,DEPTH,TOTAL_TOKENS a given one. With a shipped draft at T = 0 the tau of each
+tree comes from the draft's `tuning_prior.json` (written by --write_tuning_prior), so a
+first run times a few target forwards instead of calibrating every tree.
 """
 
 from __future__ import annotations
@@ -44,7 +46,13 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _TREE = flags.DEFINE_string(
     "tree", "auto", "auto (tuned on this device, cached; may choose AR), config (the "
     "config's tree) or TOP_K,DEPTH,TOTAL_TOKENS.")
-_RETUNE = flags.DEFINE_bool("retune", False, "--tree=auto: measure again, ignoring the cache.")
+_RETUNE = flags.DEFINE_bool("retune", False, "--tree=auto: measure again, ignoring the cache "
+                            "and the draft's tuning prior (tau calibrated on this device).")
+_WRITE_PRIOR = flags.DEFINE_bool(
+    "write_tuning_prior", False, "Instead of generating: calibrate tau of every candidate "
+    "tree of the method's draft (T = 0) and write tuning_prior.json beside its draft.json, "
+    "which --tree=auto then reads instead of calibrating. Rerun after retraining the draft "
+    "or changing the tree grid.")
 _QUESTIONS = flags.DEFINE_string("questions", None, "FastChat .jsonl questions to answer "
                                  "instead of --prompt.")
 _MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 5, "With --questions: the first N.")
@@ -84,6 +92,25 @@ def parse_tree_flag(value: str):
                          f"(e.g. 1,3,5); got {value!r}: {e}") from None
 
 
+def write_tuning_prior(target, method: str, loaded, sampling) -> None:
+  """--write_tuning_prior: the prior of the draft being run, in its own directory."""
+  from jakiro_jax.speculative import tree_tuning
+  if not sampling.greedy:
+    raise app.UsageError("--write_tuning_prior measures greedy acceptance (T = 0): drop "
+                         "--temperature/--top_p/--top_k")
+  directory = tree_tuning.draft_directory(target.name, method, _DRAFT.value)
+  if directory is None:
+    raise app.UsageError(f"--write_tuning_prior needs a draft directory (a shipped draft "
+                         f"or --draft=DIR), got --draft={_DRAFT.value}")
+  command = " ".join(["python -m launch.generate", *sys.argv[1:]])
+  prior = tree_tuning.write_prior(target, method, directory, loaded=loaded,
+                                  command=command)
+  for row in prior["candidates"]:
+    print(f"{tree_tuning.TreeChoice.from_json(row).label()}: tau {row['tau']:.2f}")
+  print(f"wrote {directory}/{tree_tuning.PRIOR_FILE} ({len(prior['candidates'])} "
+        f"candidates)")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -121,6 +148,8 @@ def main(argv):
   method = _METHOD.value or default_method(config, target.name, _DRAFT.value)
   drafter = None
   auto_note = ""
+  if _WRITE_PRIOR.value and method == "ar":
+    raise app.UsageError("--write_tuning_prior measures a draft's trees: pass --method")
   if method != "ar":
     tree, options = tree_and_options(config, method)
     if not isinstance(tree_flag, str):
@@ -129,10 +158,14 @@ def main(argv):
                              f"use --tree=auto or config")
       tree = tree_flag
     drafter, params = resolve_draft(target, method, _DRAFT.value, tree, _SEED.value, options)
+    if _WRITE_PRIOR.value:
+      write_tuning_prior(target, method, (drafter, params), sampling)
+      return
     if tree_flag == "auto":
       from jakiro_jax.speculative.tree_tuning import apply_choice, tune_tree
       tuning = tune_tree(target, method, _DRAFT.value, sampling=sampling,
-                         use_cache=not _RETUNE.value, loaded=(drafter, params))
+                         use_cache=not _RETUNE.value, use_prior=not _RETUNE.value,
+                         loaded=(drafter, params))
       if not tuning.cached:
         print(tuning.table(), file=sys.stderr)
       print(tuning.summary() + (" (cached; --retune measures again)" if tuning.cached

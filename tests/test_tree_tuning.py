@@ -85,7 +85,8 @@ def test_calibration_measures_acceptance_and_caches(peaky_target, tmp_path, monk
   assert result.expected_speedup == pytest.approx(
       best["expected_tokens_per_s"] * result.ar_step_ms / 1e3)
   table = result.table()
-  assert "| top_k 1 depth 3 total_tokens 5 |" in table and "| 5.00 |" in table
+  assert "| top_k 1 depth 3 total_tokens 5 |" in table and "| 5.00 (calibration) |" in table
+  assert result.prior is None and "tau calibrated on this device" in result.summary()
   assert table.count("\n") == 2 + 1 + len(grid)  # header, AR, one row per candidate
 
   # The second call reads the cache and measures nothing.
@@ -184,3 +185,228 @@ def test_main_job_follows_the_tuned_choice(tmp_path, chosen):
     assert last.startswith("method=eagle2 ") and " tau=" in last
     assert "tree top_k 1 depth 2 total_tokens 4" in proc.stderr
   assert "(cached; --retune measures again)" in proc.stderr
+
+
+# The tuning prior: tau per candidate shipped beside a draft, used instead of calibrating.
+
+PRIOR_PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+PRIOR_GRID = [TreeChoice(TreeConfig(1, 1, 3), {}), TreeChoice(TreeConfig(2, 2, 5), {})]
+
+
+@pytest.fixture
+def saved_draft(tiny_pair, tmp_path):
+  """(target, drafter, params, draft directory) of a random EAGLE-2 draft saved to disk."""
+  import jax
+  from jakiro_jax.drafts.io import save_draft
+  _, target = tiny_pair
+  drafter = Eagle2Drafter(target.config, TreeConfig(2, 2, 5))
+  params = drafter.init_params(jax.random.PRNGKey(3))
+  directory = tmp_path / "draft"
+  save_draft(directory, drafter, params)
+  return target, drafter, params, str(directory)
+
+
+def _fake_generate(calls, tau=2.0):
+  """A stand-in for `generate` that records its calls and reports `tau` per round."""
+  from jakiro_jax.speculative.generate import SpecOutput
+
+  def fake(target, drafter, params, prompts, *args, **kwargs):
+    calls.append(drafter.tree)
+    return SpecOutput([[1]] * len(prompts), 1.0, [[int(tau) - 1]] * len(prompts))
+  return fake
+
+
+def _tune(target, draft, loaded, tmp_path, **kwargs):
+  kwargs = dict(dict(prompts=PRIOR_PROMPTS, max_new_tokens=8, grid=PRIOR_GRID,
+                     cache_dir=tmp_path / "cache", use_cache=False, progress=False), **kwargs)
+  return tune_tree(target, "eagle2", draft, loaded=loaded, **kwargs)
+
+
+def test_prior_replaces_calibration_for_its_draft(saved_draft, tmp_path, monkeypatch):
+  target, drafter, params, directory = saved_draft
+  prior = tree_tuning.write_prior(target, "eagle2", directory, loaded=(drafter, params),
+                                  grid=PRIOR_GRID, prompts=PRIOR_PROMPTS, max_new_tokens=8,
+                                  progress=False)
+  taus = [row["tau"] for row in prior["candidates"]]
+  assert len(taus) == 2 and all(t >= 1.0 for t in taus)
+  calls = []
+  monkeypatch.setattr(tree_tuning, "generate", _fake_generate(calls))
+  # AR very slow: both trees are timed and win on the prior's tau, none is calibrated.
+  monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1e6)
+  result = _tune(target, directory, (drafter, params), tmp_path)
+  assert calls == []
+  assert [row["tau"] for row in result.candidates] == taus
+  assert [row["tau_source"] for row in result.candidates] == ["prior", "prior"]
+  timed = [row for row in result.candidates if "round_ms" in row]
+  assert timed[0] is result.candidates[0]  # the smallest tree is always timed
+  for row in timed:
+    assert row["expected_tokens_per_s"] == pytest.approx(row["tau"] * 1e3 / row["round_ms"])
+  assert result.prior == os.path.join(directory, tree_tuning.PRIOR_FILE)
+  assert result.choice is not None and "tuning prior" in result.summary()
+  assert "(prior)" in result.table()
+  # A candidate the prior does not hold is calibrated; the others still come from it.
+  extra = TreeChoice(TreeConfig(1, 2, 4), {})
+  result = _tune(target, directory, (drafter, params), tmp_path, grid=PRIOR_GRID + [extra],
+                 prune=False)
+  assert calls == [TreeConfig(1, 2, 4)]
+  assert [row["tau_source"] for row in result.candidates] == ["prior", "prior", "calibration"]
+  # use_prior=False (--retune) calibrates every candidate.
+  calls.clear()
+  result = _tune(target, directory, (drafter, params), tmp_path, use_prior=False,
+                 prune=False)
+  assert len(calls) == 2 and result.prior is None
+
+
+def test_prior_drops_losers_on_a_target_forward_before_timing_rounds(saved_draft, tmp_path,
+                                                                    monkeypatch):
+  target, drafter, params, directory = saved_draft
+  tree_tuning.write_prior(target, "eagle2", directory, loaded=(drafter, params),
+                          grid=PRIOR_GRID, prompts=PRIOR_PROMPTS, max_new_tokens=8,
+                          progress=False)
+  widths = []
+  monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1.0)  # AR: 1000 tokens/s
+  monkeypatch.setattr(tree_tuning, "forward_ms",
+                      lambda target, context, width: widths.append(width) or 10.0)
+
+  def no_round(*args, **kwargs):
+    raise AssertionError("timed the round of a tree that cannot win")
+  monkeypatch.setattr(tree_tuning, "round_split", no_round)
+  monkeypatch.setattr(tree_tuning, "generate", _fake_generate([]))
+  result = _tune(target, directory, (drafter, params), tmp_path)
+  # tau <= 5 tokens per >= 10 ms cannot beat 1000 tokens/s: the 3-node forward bounds the
+  # 5-node tree too, so only the smallest forward is timed.
+  assert widths == [3]
+  assert all("cannot beat" in row["skipped"] for row in result.candidates)
+  assert [row["forward_ms"] for row in result.candidates] == [10.0, 10.0]
+  assert result.choice is None and "decoding with AR" in result.summary()
+  assert "| >= 10.0 | >= 10.00 |" in result.table()
+
+
+@pytest.mark.parametrize("change", ["random draft", "sampling", "other weights", "prompts"])
+def test_prior_is_not_used_where_it_does_not_apply(saved_draft, tmp_path, monkeypatch,
+                                                   caplog, change):
+  import jax
+  from jakiro_jax.drafts.io import save_draft
+  from jakiro_jax.speculative.sampling import SamplingConfig
+  target, drafter, params, directory = saved_draft
+  tree_tuning.write_prior(target, "eagle2", directory, loaded=(drafter, params),
+                          grid=PRIOR_GRID, prompts=PRIOR_PROMPTS, max_new_tokens=8,
+                          progress=False)
+  calls = []
+  monkeypatch.setattr(tree_tuning, "generate", _fake_generate(calls))
+  monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1e6)
+  kwargs = {}
+  if change == "random draft":
+    directory = "random"
+  elif change == "sampling":
+    kwargs["sampling"] = SamplingConfig(temperature=1.0)
+  elif change == "other weights":  # a retrained draft that kept the old prior file
+    other = tmp_path / "retrained"
+    params = drafter.init_params(jax.random.PRNGKey(4))
+    save_draft(other, drafter, params)
+    os.replace(os.path.join(directory, tree_tuning.PRIOR_FILE),
+               other / tree_tuning.PRIOR_FILE)
+    directory = str(other)
+  else:
+    kwargs["prompts"] = PRIOR_PROMPTS[:2]
+  with caplog.at_level("INFO"):  # prune=False: every candidate is calibrated
+    result = _tune(target, directory, (drafter, params), tmp_path, prune=False, **kwargs)
+  assert len(calls) == 2 and result.prior is None
+  assert {row["tau_source"] for row in result.candidates} == {"calibration"}
+  warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  if change == "other weights":  # stale: said, with what differs
+    assert len(warned) == 1 and "draft_sha256" in warned[0] and "ignoring" in warned[0]
+  else:  # another setting, or no prior at all: nothing to warn about
+    assert warned == []
+
+
+@pytest.mark.parametrize("corruption", ["not json", "no key", "bad tau", "old grid"])
+def test_a_corrupt_or_stale_prior_is_ignored_with_a_warning(saved_draft, tmp_path,
+                                                            monkeypatch, caplog, corruption):
+  target, drafter, params, directory = saved_draft
+  prior = tree_tuning.write_prior(target, "eagle2", directory, loaded=(drafter, params),
+                                  grid=PRIOR_GRID, prompts=PRIOR_PROMPTS, max_new_tokens=8,
+                                  progress=False)
+  path = os.path.join(directory, tree_tuning.PRIOR_FILE)
+  if corruption == "not json":
+    text = "{not json"
+  else:
+    if corruption == "no key":
+      del prior["key"]
+    elif corruption == "bad tau":
+      prior["candidates"][1]["tau"] = 0.5
+    else:
+      prior["key"]["grid_version"] = tree_tuning.GRID_VERSION - 1
+    text = json.dumps(prior)
+  with open(path, "w") as f:
+    f.write(text)
+  calls = []
+  monkeypatch.setattr(tree_tuning, "generate", _fake_generate(calls))
+  monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1e6)
+  with caplog.at_level("WARNING"):  # prune=False: every candidate is calibrated
+    result = _tune(target, directory, (drafter, params), tmp_path, prune=False)
+  assert len(calls) == 2 and result.prior is None  # calibrated instead
+  warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert len(warned) == 1 and path in warned[0] and "--write_tuning_prior" in warned[0]
+  expected = {"not json": "unreadable", "no key": "unreadable", "bad tau": "tau must be",
+              "old grid": "grid_version"}[corruption]
+  assert expected in warned[0]
+
+
+def test_write_prior_needs_a_weight_digest(tiny_pair, tmp_path):
+  _, target = tiny_pair
+  drafter = Eagle2Drafter(target.config, TreeConfig(1, 1, 3))
+  with pytest.raises(ValueError, match="records no weight digest"):
+    tree_tuning.write_prior(target, "eagle2", str(tmp_path), loaded=(drafter, {}),
+                            prompts=PRIOR_PROMPTS, progress=False)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--draft=random"], "needs a draft directory"),
+    (["--temperature=0.7"], "measures greedy acceptance")])
+def test_write_tuning_prior_flag_refuses_what_it_cannot_measure(tmp_path, flags, message):
+  model = tiny_hf_model(seed=1)
+  target_dir = tmp_path / "target"
+  model.save_pretrained(target_dir)
+  config = tmp_path / "config.py"
+  config.write_text(
+      "from configs.smollm2_135m import get_config as base\n"
+      "def get_config():\n"
+      "  c = base()\n"
+      f"  c.target = {str(target_dir)!r}\n"
+      "  return c\n")
+  if "--draft=random" not in flags:
+    flags = flags + ["--draft=random"]  # refused for the sampling before the directory
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.generate", f"--config={config}", "--method=eagle2",
+       "--write_tuning_prior", *flags], capture_output=True, text=True, cwd=REPO,
+      env=dict(os.environ, JAKIRO_JAX_CACHE=str(tmp_path / "cache")))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert message in proc.stderr.strip().splitlines()[-1]
+
+
+def test_shipped_priors_hold_every_candidate_of_the_main_jobs_drafters(smollm2):
+  """Each shipped draft's prior matches its weights, the default calibration and, per
+  candidate, the drafter the main job builds (the config's options applied)."""
+  from configs.smollm2_135m import get_config
+  from jakiro_jax.drafts import registry
+  from jakiro_jax.drafts.io import SHIPPED_DRAFTS, load_draft
+  from jakiro_jax.speculative.sampling import SamplingConfig
+  config = get_config()
+  prompts = tree_tuning.calibration_prompts(smollm2, None)
+  checked = 0
+  for name in SHIPPED_DRAFTS:
+    method = name.removeprefix(f"{smollm2.name}-")
+    _, options = registry.split_block(registry.config_block(config, method))
+    inference = {k: v for k, v in options.items() if k in registry.inference_options(method)}
+    drafter, _ = load_draft(name, smollm2, None, overrides=inference)
+    directory = tree_tuning.draft_directory(smollm2.name, method, None)
+    key = tree_tuning.prior_key(smollm2, method, tree_tuning.draft_weights_digest(directory),
+                                prompts, 48, SamplingConfig(), 0)
+    taus = tree_tuning.read_prior(directory, key)
+    assert taus is not None, f"{name}: no matching {tree_tuning.PRIOR_FILE}"
+    for choice in candidate_grid(drafter):
+      candidate = apply_choice(drafter, choice)
+      assert tree_tuning.drafter_digest(candidate) in taus, (name, choice.label())
+    checked += 1
+  assert checked == len(SHIPPED_DRAFTS) >= 1

@@ -79,17 +79,25 @@ def decode_step_fn(config):
   return jax.jit(decode_forward(config), donate_argnames=("cache",))
 
 
-def ar_step_ms(target, context_len: int) -> float:
-  """Median ms of one jitted batch-1 decode step (logits included) at `context_len`."""
+def forward_ms(target, context_len: int, width: int = 1, repeats: int = 7) -> float:
+  """Median ms of one jitted batch-1 target forward over `width` new tokens (logits
+  `[1, width, V]` included) after `context_len` cached ones. Width 1 is the AR decode
+  step; width N is the verify forward of an N-node tree without its acceptance step, so it
+  bounds that verify from below (`decode_forward`)."""
   step = decode_step_fn(target.config)
-  state = {"cache": new_cache(target.config, 1, context_len + 64).replace(
+  state = {"cache": new_cache(target.config, 1, context_len + width + 63).replace(
       lengths=jnp.array([context_len], jnp.int32))}
-  token = jnp.ones((1, 1), jnp.int32)
+  tokens = jnp.ones((1, width), jnp.int32)
 
   def run():
-    logits, state["cache"] = step(target.params, token, state["cache"])
+    logits, state["cache"] = step(target.params, tokens, state["cache"])
     return logits
-  return median_ms(run, repeats=15)
+  return median_ms(run, repeats=repeats)
+
+
+def ar_step_ms(target, context_len: int) -> float:
+  """Median ms of one jitted batch-1 decode step (logits included) at `context_len`."""
+  return forward_ms(target, context_len, 1, repeats=15)
 
 
 def round_split(target, drafter, draft_params, context_len: int,

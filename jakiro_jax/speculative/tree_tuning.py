@@ -2,19 +2,34 @@
 
 A round's cost depends on the device (on a GPU a verify forward over 60 nodes costs about
 one AR step; on a 2-core CPU a forward over 2 tokens already costs two), its yield on the
-draft and the text. So the choice is measured, not assumed:
+draft and the text. Expected tokens/s of a tree = tau (tokens per round) / round time; the
+best tree wins if it beats the AR step's rate by `margin`, else the choice is AR.
 
-1. the AR decode step and, for every candidate tree, the draft part and the verify part
-   of one round are timed on the current device (`round_timing.round_split`);
-2. the acceptance of each candidate is measured by speculative generation of a small
-   calibration set (all prompts in one batch: tau is per row, so the batch does not change
-   it); a candidate whose best case (every drafted level accepted) cannot beat the best so
-   far is not calibrated;
-3. expected tokens/s = tau / round time; the best candidate wins if it beats the AR step
-   by `margin`, else the choice is AR.
+Round times are always measured on the current device. tau of a greedy draft depends on
+the draft, the tree and the text, not on the device, so a draft directory may carry it:
+`tuning_prior.json` beside `draft.json` holds the tau of every grid candidate on the
+calibration prompts (`write_prior`, run by `python -m launch.generate --config=CONFIG
+--method=METHOD --write_tuning_prior`). It is used only where it matches exactly
+(`prior_key`: grid version, draft weights, target config and dtype, calibration prompts,
+sampling; per candidate, the drafter's tree and options); a prior for another setting
+(e.g. T > 0) is not used, and an unreadable or stale one is ignored with a warning. Where
+fp32 matmuls round differently (TF32 on some GPUs) tau may differ by a little;
+`use_prior=False` (`--retune`) calibrates it there. Candidates go smallest first:
 
-Results are cached as JSON per (device kind, target, method, draft, dtype, sampling) in
-`<cache dir>/tree_tuning/` (`JAKIRO_JAX_CACHE`, default `~/.cache/jakiro_jax`).
+1. the AR decode step is timed;
+2. a candidate with a prior tau is first bounded by the target forward over its N nodes (a
+   verify costs at least that, and a forward over more tokens costs no less, so one timed
+   width bounds every larger one): if tau / that time cannot beat the best so far, the
+   candidate is dropped before its round is compiled;
+3. the draft part and the verify part of its round are timed (`round_timing.round_split`);
+4. without a prior tau, a candidate whose best case (every level accepted) beats the best
+   so far is calibrated: speculative generation of the calibration prompts (one batch;
+   tau is per row).
+
+So a first run with a shipped draft at T = 0 compiles a few target forwards instead of
+calibrating every tree. Results are cached as JSON per (device kind, target, method,
+draft weights, dtype, sampling) in `<cache dir>/tree_tuning/` (`JAKIRO_JAX_CACHE`, default
+`~/.cache/jakiro_jax`).
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -30,14 +46,20 @@ from typing import Any, Sequence
 
 import jax
 
-from jakiro_jax.speculative.round_timing import ar_step_ms
-from jakiro_jax.speculative.sampling import SamplingConfig
-from jakiro_jax.speculative.tree import TreeConfig
+from jakiro_jax.drafts.io import SHIPPED_DRAFTS
+from jakiro_jax.drafts.registry import option_fields
 from jakiro_jax.models.embedded import default_cache_dir
 from jakiro_jax.speculative.generate import generate
-from jakiro_jax.speculative.round_timing import round_split
+from jakiro_jax.speculative.round_timing import ar_step_ms, forward_ms, round_split
+from jakiro_jax.speculative.sampling import SamplingConfig
+from jakiro_jax.speculative.tree import TreeConfig
 
-GRID_VERSION = 1  # bump when the grid or the measurement changes: old cache entries lapse
+# Bump when the grid or the measurement changes: old cache entries and priors lapse.
+GRID_VERSION = 2
+PRIOR_FILE = "tuning_prior.json"
+PRIOR_FORMAT = 1
+PRIOR_COMMAND = ("python -m launch.generate --config=CONFIG --method=METHOD "
+                 "--write_tuning_prior")
 
 # Calibration questions of several kinds (code, arithmetic, QA, summary, extraction,
 # writing); none comes from the evaluation files.
@@ -96,9 +118,14 @@ def _hashable(value):
   return value
 
 
+def _digest(value) -> str:
+  return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
 @dataclasses.dataclass
 class TuningResult:
-  """What tuning measured and chose. `choice` None means plain AR decoding is fastest."""
+  """What tuning measured and chose. `choice` None means plain AR decoding is fastest.
+  `prior`: the tuning prior whose tau it used (None: every tau was calibrated here)."""
   method: str
   device_kind: str
   platform: str
@@ -107,6 +134,7 @@ class TuningResult:
   candidates: list[dict]  # per candidate: tree, options, draft_ms, verify_ms, tau, ...
   choice: TreeChoice | None
   cached: bool = False
+  prior: str | None = None
 
   @property
   def ar_tokens_per_s(self) -> float:
@@ -126,27 +154,33 @@ class TuningResult:
             "ar_tokens_per_s": self.ar_tokens_per_s, "context_len": self.context_len,
             "candidates": self.candidates,
             "choice": None if self.choice is None else self.choice.to_json(),
-            "expected_speedup": self.expected_speedup}
+            "expected_speedup": self.expected_speedup, "prior": self.prior}
 
   @classmethod
   def from_json(cls, data: dict, cached: bool = False) -> "TuningResult":
     choice = None if data["choice"] is None else TreeChoice.from_json(data["choice"])
     return cls(data["method"], data["device_kind"], data["platform"], data["ar_step_ms"],
-               data["context_len"], data["candidates"], choice, cached)
+               data["context_len"], data["candidates"], choice, cached, data.get("prior"))
 
   def table(self) -> str:
-    """Markdown: one row per candidate (round cost in AR steps, calibrated tau, expected
-    tokens/s), AR first."""
-    lines = ["| tree | round ms | round / AR step | tau (calibration) | expected tokens/s |",
+    """Markdown: one row per candidate (round cost in AR steps, tau from the prior or
+    calibrated here, expected tokens/s), AR first. A candidate dropped on its target
+    forward alone shows that forward as a lower bound of its round."""
+    lines = ["| tree | round ms | round / AR step | tau | expected tokens/s |",
              "|---|---|---|---|---|",
              f"| AR (one step) | {self.ar_step_ms:.1f} | 1.00 | 1.00 | "
              f"{self.ar_tokens_per_s:.1f} |"]
     for row in self.candidates:
       label = TreeChoice.from_json(row).label()
+      tau = "-" if row.get("tau") is None else f"{row['tau']:.2f} ({row['tau_source']})"
       if "round_ms" not in row:
-        lines.append(f"| {label} | - | - | - | skipped: {row.get('skipped', '')} |")
+        if "forward_ms" in row:  # dropped on the forward bound
+          ms = row["forward_ms"]
+          lines.append(f"| {label} | >= {ms:.1f} | >= {ms / self.ar_step_ms:.2f} | {tau} | "
+                       f"skipped: {row['skipped']} |")
+        else:
+          lines.append(f"| {label} | - | - | - | skipped: {row.get('skipped', '')} |")
         continue
-      tau = "-" if row.get("tau") is None else f"{row['tau']:.2f}"
       rate = ("not calibrated: cannot win" if row.get("expected_tokens_per_s") is None
               else f"{row['expected_tokens_per_s']:.1f}")
       lines.append(f"| {label} | {row['round_ms']:.1f} | {row['round_in_ar_steps']:.2f} | "
@@ -154,11 +188,13 @@ class TuningResult:
     return "\n".join(lines) + "\n"
 
   def summary(self) -> str:
+    source = ("tau from the draft's tuning prior" if self.prior
+              else "tau calibrated on this device")
     if self.choice is None:
       return (f"tree tuning on {self.device_kind}: no tree beats the AR loop "
-              f"({self.ar_tokens_per_s:.1f} tokens/s expected); decoding with AR")
+              f"({self.ar_tokens_per_s:.1f} tokens/s expected; {source}); decoding with AR")
     return (f"tree tuning on {self.device_kind}: {self.method} with {self.choice.label()}, "
-            f"expected {self.expected_speedup:.2f}x over the AR loop")
+            f"expected {self.expected_speedup:.2f}x over the AR loop ({source})")
 
 
 def candidate_grid(drafter) -> list[TreeChoice]:
@@ -191,18 +227,163 @@ def device_description() -> tuple[str, str]:
   return device.device_kind, device.platform
 
 
+def draft_directory(target_name: str, method: str, draft: str | None) -> str | None:
+  """The directory of the draft being tuned: the shipped one (`draft` None or a shipped
+  name), a given directory, or None (e.g. 'random': no directory, no prior)."""
+  import jakiro_jax
+  name = f"{target_name}-{method}" if draft in (None, "shipped") else draft
+  if name in SHIPPED_DRAFTS:
+    return os.path.join(os.path.dirname(jakiro_jax.__file__), SHIPPED_DRAFTS[name])
+  if os.path.isfile(os.path.join(str(name), "draft.json")):
+    return str(name)
+  return None
+
+
+def draft_weights_digest(directory: str | None) -> dict | None:
+  """The sha256 of the draft's weight files as recorded in its `draft.json` (checked
+  against the files when the draft loads); None without a directory or a record."""
+  if directory is None:
+    return None
+  try:
+    with open(os.path.join(directory, "draft.json")) as f:
+      return json.load(f).get("sha256")
+  except (OSError, ValueError):
+    return None
+
+
 def cache_path(target, method: str, draft_id: str, sampling: SamplingConfig,
                cache_dir: str | os.PathLike | None = None) -> str:
-  """Where the tuning result of this (device, target, method, draft, dtype, sampling) lives."""
+  """Where the tuning result of this (device, target, method, draft, dtype, sampling) lives;
+  a retrained draft (other weights) is another entry."""
   kind, platform = device_description()
   config_text = json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str)
+  weights = draft_weights_digest(draft_directory(target.name, method, draft_id))
   key = json.dumps([GRID_VERSION, kind, platform, target.name, config_text, method,
-                    draft_id, str(target.config.dtype), dataclasses.astuple(sampling)],
-                   default=str)
+                    draft_id, weights, str(target.config.dtype),
+                    dataclasses.astuple(sampling)], default=str, sort_keys=True)
   digest = hashlib.sha256(key.encode()).hexdigest()[:16]
   safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{kind}-{method}")
   root = os.path.join(cache_dir or default_cache_dir(), "tree_tuning")
   return os.path.join(root, f"{safe}-{digest}.json")
+
+
+def calibration_prompts(target, prompts: Sequence[Sequence[int]] | None) -> list[list[int]]:
+  """Token-id prompts for calibration: `prompts`, or the chat-templated
+  `CALIBRATION_PROMPTS`."""
+  if prompts is not None:
+    return [list(map(int, p)) for p in prompts]
+  if target.tokenizer is None:
+    raise ValueError(f"tree tuning calibrates on chat prompts, but target {target.name!r} "
+                     f"has no tokenizer: pass prompts= (token ids), or a fixed tree")
+  return [list(map(int, target.chat_prompt(p))) for p in CALIBRATION_PROMPTS]
+
+
+def prior_key(target, method: str, weights: dict | None, prompts: Sequence[Sequence[int]],
+              max_new_tokens: int, sampling: SamplingConfig, seed: int) -> dict:
+  """What a calibrated tau depends on besides the tree and the drafter's options: a prior
+  applies only where every field is equal."""
+  config_text = json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str)
+  return {"format": PRIOR_FORMAT, "grid_version": GRID_VERSION, "method": method,
+          "draft_sha256": weights, "target": target.name,
+          "target_config_sha256": _digest(config_text), "dtype": str(target.config.dtype),
+          "prompts_sha256": _digest(prompts), "max_new_tokens": max_new_tokens,
+          "sampling": list(dataclasses.astuple(sampling)), "seed": seed}
+
+
+def drafter_digest(drafter) -> str:
+  """sha256 of a candidate drafter's tree and every option (draft vocabulary, heads,
+  pruning, ...): the prior's per-candidate key."""
+  options = {k: _plain(v) for k, v in option_fields(drafter).items()}
+  return _digest({"tree": dataclasses.asdict(drafter.tree), "options": options})
+
+
+# Fields of the key whose mismatch means the prior is for another setting (a sampled run,
+# other prompts, another dtype): not a fault, so not a warning.
+_SETTING_FIELDS = ("dtype", "prompts_sha256", "max_new_tokens", "sampling", "seed")
+
+
+def read_prior(directory: str | None, key: dict) -> dict[str, float] | None:
+  """tau by `drafter_digest` from `<directory>/tuning_prior.json` if its key equals `key`.
+
+  None when there is no file, or it was measured for another setting (sampling, dtype,
+  calibration prompts); a file that cannot be read, lacks fields, holds an invalid tau or
+  is stale (another grid version, other draft weights, another target) is ignored with a
+  warning naming why: the run then calibrates."""
+  if directory is None:
+    return None
+  path = os.path.join(directory, PRIOR_FILE)
+  if not os.path.isfile(path):
+    return None
+
+  def ignore(reason: str) -> None:
+    logging.warning("ignoring tree tuning prior %s: %s; calibrating instead (`%s` measures "
+                    "it again)", path, reason, PRIOR_COMMAND)
+
+  try:
+    with open(path) as f:
+      data = json.load(f)
+    saved = data["key"]
+    taus = {row["drafter_sha256"]: float(row["tau"]) for row in data["candidates"]}
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    return ignore(f"unreadable ({type(e).__name__}: {e})")
+  if not isinstance(saved, dict):
+    return ignore("its key is not an object")
+  for field, ours in key.items():
+    if saved.get(field) != ours:
+      if field in _SETTING_FIELDS:  # measured for another setting: calibrate, quietly
+        logging.info("tree tuning prior %s is for %s=%s, not %s", path, field,
+                     saved.get(field), ours)
+        return None
+      return ignore(f"measured for {field}={saved.get(field)!r}, this run has {ours!r}")
+  bad = [d for d, tau in taus.items() if not (math.isfinite(tau) and tau >= 1.0)]
+  if bad:
+    return ignore(f"tau must be a number >= 1 (tokens per round), got {taus[bad[0]]}")
+  return taus
+
+
+def write_prior(target, method: str, directory: str, *, loaded: Any,
+                grid: Sequence[TreeChoice] | None = None,
+                prompts: Sequence[Sequence[int]] | None = None, max_new_tokens: int = 48,
+                progress: bool = True, seed: int = 0, command: str = "") -> dict:
+  """Calibrates every candidate of the grid (greedy) and writes `<directory>/tuning_prior
+  .json`, the prior `tune_tree` reads for this draft. Returns what it wrote.
+
+  loaded: the draft's `(drafter, params)` as the main job builds it (its options become the
+  candidates' keys); directory: the draft's own (its `draft.json` names the weights)."""
+  from tqdm import tqdm
+
+  drafter, params = loaded
+  weights = draft_weights_digest(directory)
+  if weights is None:
+    raise ValueError(f"{directory} records no weight digest in draft.json: a prior there "
+                     f"could not be matched to its weights")
+  sampling = SamplingConfig()
+  prompts = calibration_prompts(target, prompts)
+  grid = list(grid) if grid is not None else candidate_grid(drafter)
+  rows = []
+  for choice in tqdm(grid, desc=f"prior for {method}", file=sys.stderr, disable=not progress):
+    try:
+      candidate = apply_choice(drafter, choice)
+    except ValueError:  # not buildable with this draft: tune_tree skips it too
+      continue
+    out = generate(target, candidate, params, prompts, max_new_tokens, sampling, seed=seed)
+    rows.append(dict(choice.to_json(), drafter_sha256=drafter_digest(candidate),
+                     tau=out.tau, rounds=sum(len(a) for a in out.accept_lens)))
+  prior = {"key": prior_key(target, method, weights, prompts, max_new_tokens, sampling, seed),
+           "command": command, "candidates": rows}
+  path = os.path.join(directory, PRIOR_FILE)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(prior, f, indent=2)
+  os.replace(tmp, path)
+  return prior
+
+
+def _forward_bound(measured: dict[int, float], width: int) -> float | None:
+  """The largest timed forward over at most `width` tokens (a lower bound of the forward
+  over `width`), None if none is timed."""
+  below = [ms for n, ms in measured.items() if n <= width]
+  return max(below) if below else None
 
 
 def tune_tree(target, method: str, draft: str | None = None, *,
@@ -211,15 +392,16 @@ def tune_tree(target, method: str, draft: str | None = None, *,
               grid: Sequence[TreeChoice] | None = None, margin: float = 1.03,
               use_cache: bool = True, cache_dir: str | os.PathLike | None = None,
               progress: bool = True, seed: int = 0, loaded: Any,
-              prune: bool = True) -> TuningResult:
-  """Times the AR step and each candidate tree on this device, calibrates acceptance, and
-  returns the fastest choice (None = AR).
+              prune: bool = True, use_prior: bool = True) -> TuningResult:
+  """Times the AR step and the candidate trees on this device, takes their tau from the
+  draft's tuning prior or calibrates it, and returns the fastest choice (None = AR).
 
-  loaded: the loaded `(drafter, params)`; draft: its directory or shipped name, for the
-  cache key (None = the shipped one). prompts: token-id prompts for calibration (default:
-  the chat-templated `CALIBRATION_PROMPTS`). The chosen candidate must beat the AR step's tokens/s by
-  `margin` (timings vary by a few percent). prune: skip calibrating a candidate whose
-  best case cannot beat the best so far.
+  loaded: the loaded `(drafter, params)`; draft: its directory or shipped name (None = the
+  shipped one), for the cache key and the prior. prompts: token-id prompts for calibration
+  (default: the chat-templated `CALIBRATION_PROMPTS`). The chosen candidate must beat the
+  AR step's tokens/s by `margin` (timings vary by a few percent). prune: drop a candidate
+  whose bound (its forward with the prior's tau, or its best case) cannot beat the best so
+  far. use_prior: False calibrates every tau here.
   """
   from tqdm import tqdm
 
@@ -234,41 +416,67 @@ def tune_tree(target, method: str, draft: str | None = None, *,
 
   drafter, params = loaded
   grid = list(grid) if grid is not None else candidate_grid(drafter)
-  if prompts is None:
-    if target.tokenizer is None:
-      raise ValueError(f"tree tuning calibrates on chat prompts, but target {target.name!r} "
-                       f"has no tokenizer: pass prompts= (token ids), or a fixed tree")
-    prompts = [target.chat_prompt(p) for p in CALIBRATION_PROMPTS]
+  prompts = calibration_prompts(target, prompts)
+  directory = draft_directory(target.name, method, draft)
+  prior = None
+  if use_prior:
+    key = prior_key(target, method, draft_weights_digest(directory), prompts,
+                    max_new_tokens, sampling, seed)
+    prior = read_prior(directory, key)
   context = int(statistics.mean(len(p) for p in prompts)) + max_new_tokens // 2
   kind, platform = device_description()
   ar_ms = ar_step_ms(target, context)
   best_rate = 1e3 / ar_ms * margin  # a candidate must beat this
-  rows = []
-  bar = tqdm(grid, desc=f"tuning {method} trees", file=sys.stderr, disable=not progress)
-  for choice in bar:
-    row = choice.to_json()
+  forwards: dict[int, float] = {}  # timed target forwards by width
+  rows: list[dict | None] = [None] * len(grid)
+  candidates = []
+  for index, choice in enumerate(grid):
     try:
-      candidate = apply_choice(drafter, choice)
+      candidates.append((index, apply_choice(drafter, choice)))
     except ValueError as e:  # e.g. a draft vocabulary smaller than top_k
-      rows.append(dict(row, skipped=str(e), expected_tokens_per_s=None))
-      continue
+      rows[index] = dict(choice.to_json(), skipped=str(e), expected_tokens_per_s=None)
+  # Smallest trees first: their forwards are cheap and bound the larger ones' (stable).
+  candidates.sort(key=lambda item: item[1].tree.total_tokens)
+  bar = tqdm(candidates, desc=f"tuning {method} trees", file=sys.stderr,
+             disable=not progress)
+  for index, candidate in bar:
+    row = grid[index].to_json()
+    width = candidate.tree.total_tokens
+    tau = None if prior is None else prior.get(drafter_digest(candidate))
+    if tau is not None:
+      row.update(tau=tau, tau_source="prior")
+      if prune:
+        bound = _forward_bound(forwards, width)
+        if width not in forwards and (bound is None or tau * 1e3 / bound > best_rate):
+          forwards[width] = bound = forward_ms(target, context, width)
+        if tau * 1e3 / bound <= best_rate:
+          rows[index] = dict(row, forward_ms=bound, expected_tokens_per_s=None,
+                             skipped=f"cannot beat the best so far: its verify costs at "
+                             f"least {bound:.1f} ms (a target forward over <= {width} "
+                             f"tokens)")
+          continue
     split = round_split(target, candidate, params, context, sampling)
     round_ms = split["draft_ms"] + split["verify_ms"]
     row.update(draft_ms=split["draft_ms"], verify_ms=split["verify_ms"], round_ms=round_ms,
                round_in_ar_steps=round_ms / ar_ms, max_tokens_per_round=candidate.tree.max_path)
-    if prune and candidate.tree.max_path * 1e3 / round_ms <= best_rate:
-      rows.append(dict(row, skipped="cannot beat the best so far even if every level is "
-                       "accepted", tau=None, expected_tokens_per_s=None))
-      continue
-    out = generate(target, candidate, params, prompts, max_new_tokens, sampling, seed=seed)
-    rate = out.tau * 1e3 / round_ms
-    rows.append(dict(row, tau=out.tau, rounds=sum(len(a) for a in out.accept_lens),
-                     expected_tokens_per_s=rate))
+    if tau is None:
+      if prune and candidate.tree.max_path * 1e3 / round_ms <= best_rate:
+        rows[index] = dict(row, skipped="cannot beat the best so far even if every level "
+                           "is accepted", tau=None, expected_tokens_per_s=None)
+        continue
+      out = generate(target, candidate, params, prompts, max_new_tokens, sampling, seed=seed)
+      tau = out.tau
+      row.update(tau=tau, tau_source="calibration",
+                 rounds=sum(len(a) for a in out.accept_lens))
+    rate = tau * 1e3 / round_ms
+    rows[index] = dict(row, expected_tokens_per_s=rate)
     best_rate = max(best_rate, rate)
     bar.set_postfix_str(f"best {best_rate:.1f} tokens/s")
   best = best_candidate(rows, ar_ms, margin)
+  used_prior = prior is not None and any(r.get("tau_source") == "prior" for r in rows)
   result = TuningResult(method, kind, platform, ar_ms, context, rows,
-                        None if best is None else TreeChoice.from_json(rows[best]))
+                        None if best is None else TreeChoice.from_json(rows[best]),
+                        prior=os.path.join(directory, PRIOR_FILE) if used_prior else None)
   if use_cache:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
