@@ -10,7 +10,7 @@ forward) and the speedup. The draft is the one shipped for the config's target (
 --draft=DIR); --method=ar runs the AR loop alone.
 
 --tree=auto (the default) picks the tree with the most expected tokens/s on this device
-(`jakiro_jax/speculative/tree_tuning.py`: round and AR-step timings with acceptance on a small
+(`jakiro_jax/tree_tuning.py`: round and AR-step timings with acceptance on a small
 calibration set, cached per device, target, method, draft, dtype and sampling). If no tree
 beats the AR loop, it says so and decodes with AR. --tree=config takes the config's tree;
 --tree=TOP_K,DEPTH,TOTAL_TOKENS a given one. With a shipped draft at T = 0 the tau of each
@@ -94,7 +94,7 @@ def parse_tree_flag(value: str):
 
 def write_tuning_prior(target, method: str, loaded, sampling) -> None:
   """--write_tuning_prior: the prior of the draft being run, in its own directory."""
-  from jakiro_jax.speculative import tree_tuning
+  from jakiro_jax import tree_tuning
   if not sampling.greedy:
     raise app.UsageError("--write_tuning_prior measures greedy acceptance (T = 0): drop "
                          "--temperature/--top_p/--top_k")
@@ -162,7 +162,7 @@ def main(argv):
       write_tuning_prior(target, method, (drafter, params), sampling)
       return
     if tree_flag == "auto":
-      from jakiro_jax.speculative.tree_tuning import apply_choice, tune_tree
+      from jakiro_jax.tree_tuning import apply_choice, tune_tree
       tuning = tune_tree(target, method, _DRAFT.value, sampling=sampling,
                          use_cache=not _RETUNE.value, use_prior=not _RETUNE.value,
                          loaded=(drafter, params))

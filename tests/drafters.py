@@ -69,7 +69,7 @@ def registered_drafter(method: str, target_config, seed: int = 0):
   import jax
 
   from jakiro_jax.drafts import make_drafter
-  from jakiro_jax.speculative.tree_tuning import apply_choice, candidate_grid
+  from jakiro_jax.tree_tuning import apply_choice, candidate_grid
 
   base = make_drafter(method, target_config)
   grid = candidate_grid(base)

@@ -45,7 +45,7 @@ PROGRAM = BLOCKER + textwrap.dedent("""
     import jakiro_jax.speculative.generate
     import jakiro_jax.speculative.autoregressive
     import jakiro_jax.reports.benchmark
-    import jakiro_jax.speculative.tree_tuning
+    import jakiro_jax.tree_tuning
     import jakiro_jax.drafts
     import jakiro_jax.drafts.io
     import jakiro_jax.models.gguf_loader

@@ -12,10 +12,10 @@ import pytest
 from conftest import random_prompts, tiny_hf_model
 from drafters import OracleDrafter
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
-from jakiro_jax.speculative import tree_tuning
+from jakiro_jax import tree_tuning
 from jakiro_jax.speculative.tree import TreeConfig
-from jakiro_jax.speculative.tree_tuning import (TreeChoice, TuningResult, apply_choice,
-                                         best_candidate, candidate_grid, tune_tree)
+from jakiro_jax.tree_tuning import (TreeChoice, TuningResult, apply_choice,
+                                    best_candidate, candidate_grid, tune_tree)
 from jakiro_jax.target import target_from_torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

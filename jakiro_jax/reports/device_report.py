@@ -568,7 +568,7 @@ def speculative(get_target: Callable[[str], Any], config, prompts: Mapping[str, 
   files, flat = _flat_prompts(prompts)
   draft = settings.get("draft")
   if tune_tree_fn is None:
-    from jakiro_jax.speculative.tree_tuning import tune_tree as tune_tree_fn
+    from jakiro_jax.tree_tuning import tune_tree as tune_tree_fn
 
   def run_unit(tree_set, temperature, method):
     sampling = SamplingConfig(temperature=float(temperature))
