@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import jax
 
-from jakiro_jax.drafts.io import SHIPPED_DRAFTS
+from jakiro_jax.drafts import io as draft_io
 from jakiro_jax.drafts.registry import option_fields
 from jakiro_jax.models.embedded import default_cache_dir
 from jakiro_jax.speculative.generate import generate
@@ -230,10 +230,10 @@ def device_description() -> tuple[str, str]:
 def draft_directory(target_name: str, method: str, draft: str | None) -> str | None:
   """The directory of the draft being tuned: the shipped one (`draft` None or a shipped
   name), a given directory, or None (e.g. 'random': no directory, no prior)."""
-  import jakiro_jax
   name = f"{target_name}-{method}" if draft in (None, "shipped") else draft
-  if name in SHIPPED_DRAFTS:
-    return os.path.join(os.path.dirname(jakiro_jax.__file__), SHIPPED_DRAFTS[name])
+  if name in draft_io.SHIPPED_DRAFTS:  # package-relative, as `load_draft` reads it
+    package = os.path.dirname(os.path.dirname(draft_io.__file__))
+    return os.path.join(package, draft_io.SHIPPED_DRAFTS[name])
   if os.path.isfile(os.path.join(str(name), "draft.json")):
     return str(name)
   return None
