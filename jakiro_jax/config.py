@@ -48,7 +48,7 @@ def check_config(config) -> None:
   """A ValueError naming the first shared key whose value cannot work: an unknown dtype
   or method, a draft block of an unknown method or with options its method lacks, a mesh
   axis below -1 or 0. Keys a config lacks are not checked."""
-  get = config.get if hasattr(config, "get") else (lambda key, default=None: default)
+  get = config.get
   dtype = get("dtype")
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"config.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import jax
 
 from jakiro_jax.drafts import io as draft_io
-from jakiro_jax.drafts.registry import option_fields
+from jakiro_jax.drafts.registry import json_value, option_fields
 from jakiro_jax.models.embedded import default_cache_dir
 from jakiro_jax.speculative.generate import generate
 from jakiro_jax.speculative.round_timing import ar_step_ms, forward_ms, round_split
@@ -88,7 +88,7 @@ class TreeChoice:
 
   def to_json(self) -> dict:
     tree = None if self.tree is None else dataclasses.asdict(self.tree)
-    return {"tree": tree, "options": {k: _plain(v) for k, v in self.options.items()}}
+    return {"tree": tree, "options": {k: json_value(v) for k, v in self.options.items()}}
 
   @classmethod
   def from_json(cls, data: dict) -> "TreeChoice":
@@ -104,12 +104,6 @@ class TreeChoice:
     for k, v in self.options.items():  # a list of paths reads as its size
       parts.append(f"static tree of {len(v) + 1} nodes" if k == "choices" else f"{k} {v}")
     return " ".join(parts)
-
-
-def _plain(value):
-  if isinstance(value, tuple):
-    return [_plain(v) for v in value]
-  return value
 
 
 def _hashable(value):
@@ -231,12 +225,8 @@ def draft_directory(target_name: str, method: str, draft: str | None) -> str | N
   """The directory of the draft being tuned: the shipped one (`draft` None or a shipped
   name), a given directory, or None (e.g. 'random': no directory, no prior)."""
   name = f"{target_name}-{method}" if draft in (None, "shipped") else draft
-  if name in draft_io.SHIPPED_DRAFTS:  # package-relative, as `load_draft` reads it
-    package = os.path.dirname(os.path.dirname(draft_io.__file__))
-    return os.path.join(package, draft_io.SHIPPED_DRAFTS[name])
-  if os.path.isfile(os.path.join(str(name), "draft.json")):
-    return str(name)
-  return None
+  directory = draft_io.draft_path(str(name))  # as `load_draft` resolves it
+  return directory if os.path.isfile(os.path.join(directory, "draft.json")) else None
 
 
 def draft_weights_digest(directory: str | None) -> dict | None:
@@ -293,7 +283,7 @@ def prior_key(target, method: str, weights: dict | None, prompts: Sequence[Seque
 def drafter_digest(drafter) -> str:
   """sha256 of a candidate drafter's tree and every option (draft vocabulary, heads,
   pruning, ...): the prior's per-candidate key."""
-  options = {k: _plain(v) for k, v in option_fields(drafter).items()}
+  options = {k: json_value(v) for k, v in option_fields(drafter).items()}
   return _digest({"tree": dataclasses.asdict(drafter.tree), "options": options})
 
 

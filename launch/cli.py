@@ -77,11 +77,8 @@ def require_draft(draft: str, method: str | None = None) -> None:
   `method`, when given); read before the target loads."""
   import json
 
-  import jakiro_jax
-  from jakiro_jax.drafts.io import SHIPPED_DRAFTS
-  directory = (os.path.join(os.path.dirname(jakiro_jax.__file__), SHIPPED_DRAFTS[draft])
-               if draft in SHIPPED_DRAFTS else draft)
-  meta_path = os.path.join(directory, "draft.json")
+  from jakiro_jax.drafts.io import SHIPPED_DRAFTS, draft_path
+  meta_path = os.path.join(draft_path(draft), "draft.json")
   if not os.path.isfile(meta_path):
     raise app.UsageError(f"--draft={draft} is neither a shipped draft "
                          f"({', '.join(sorted(SHIPPED_DRAFTS))}) nor a draft directory "

@@ -72,7 +72,7 @@ def test_default_blocks_hold_each_methods_trees_and_inference_options():
     if tree is not None:
       assert papers[name]["tree"] == dataclasses.asdict(tree)
     for option, value in options.items():
-      assert papers[name][option] == registry._plain(value)
+      assert papers[name][option] == registry.json_value(value)
     for option in cls.inference_options:  # overridable by --config.drafts.NAME.OPTION
       assert option in small[name]
   assert papers["gumiho"]["mlp_topk"] == 35 and small["gumiho"]["mlp_topk"] == 4

@@ -29,6 +29,15 @@ SHIPPED_DRAFTS: dict[str, str] = {
 } if os.path.isdir(_ASSETS) else {}
 
 
+def draft_path(source) -> str:
+  """The directory of a draft: a shipped draft's name (`SHIPPED_DRAFTS`, read at call
+  time) resolved inside the package, anything else as given."""
+  source = os.fspath(source)
+  if source in SHIPPED_DRAFTS:
+    return os.path.join(os.path.dirname(os.path.dirname(__file__)), SHIPPED_DRAFTS[source])
+  return source
+
+
 def _flatten(tree, prefix=""):
   out = {}
   for key, value in tree.items():
@@ -87,9 +96,7 @@ def load_draft(source, target, tree: TreeConfig | None = None,
   from safetensors import SafetensorError
   from safetensors.numpy import load_file
 
-  source = os.fspath(source)
-  if source in SHIPPED_DRAFTS:
-    source = os.path.join(os.path.dirname(os.path.dirname(__file__)), SHIPPED_DRAFTS[source])
+  source = draft_path(source)
   meta = read_json(os.path.join(source, "draft.json"),
                    f"{source} is not a draft directory (no draft.json)")
   for field, ours in (("hidden_size", target.config.hidden_size),

@@ -151,9 +151,9 @@ def default_blocks(tree_set: str = "small", **common) -> dict[str, dict]:
     cls = get(name)
     tree, options = cls.small_tree() if tree_set == "small" else cls.papers_tree()
     fields = {f.name: f.default for f in dataclasses.fields(cls)}
-    block = {k: _plain(fields[k]) for k in cls.inference_options
+    block = {k: json_value(fields[k]) for k in cls.inference_options
              if fields.get(k, dataclasses.MISSING) not in (None, dataclasses.MISSING)}
-    block.update({k: _plain(v) for k, v in options.items()})
+    block.update({k: json_value(v) for k, v in options.items()})
     block.update({k: v for k, v in common.items() if k in fields})
     if tree is not None:
       block["tree"] = dataclasses.asdict(tree)
@@ -161,9 +161,9 @@ def default_blocks(tree_set: str = "small", **common) -> dict[str, dict]:
   return blocks
 
 
-def _plain(value):
-  """Tuples (e.g. a static tree's choices) as lists, as a config file writes them."""
-  return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
+def json_value(value):
+  """Tuples (e.g. a static tree's choices) as lists, as a config file or JSON holds them."""
+  return [json_value(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
 def tree_set_choice(method: str, tree_set: str, tree: TreeConfig | None, options: Mapping
