@@ -423,6 +423,10 @@ def test_pruned_prefill_jobs_and_ratios(tmp_path):
   assert (program.name, program.info["cache_slots"], program.info["sparsity"]) == (
       "pruned_prefill", 64, 0.5)
   assert found[2].build().info["removed_layers"] == 2
+  # The prune settings key the rows of this kind only (other reports' rows stay valid).
+  assert settings.key() != dataclasses.replace(settings, prune_len=128).key()
+  other = dataclasses.replace(settings, programs=("ar_step",))
+  assert other.key() == dataclasses.replace(other, prune_len=128).key()
 
   def row(method, flops, moved, peak):
     return {"key": f"pruned_prefill {method} T64 b1", "kind": "pruned_prefill",

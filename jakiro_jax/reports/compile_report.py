@@ -9,9 +9,10 @@ inside the loop body, kernels and host launches per step (GPU), and the roofline
 `max(flops / peak, bytes moved / bandwidth)` (+ on a GPU the launches and the kernels
 inside command buffers at their costs), every peak from `aot.PEAKS`. From those,
 labelled as projections: a round's cost in AR steps and the speedup a given tau (e.g. the
-one we measured) would give; for the `pruned_prefill` kind, the FTP and ShortGPT prefills'
-figures as fractions of the dense prefill's (`prune_ratios`). Each program's row is written to `OUT/rows/` as it compiles,
-so an interrupted run continues where it stopped; its optimized HLO goes to `OUT/hlo/`.
+one we measured) would give; for the `pruned_prefill` kind, the FTP and ShortGPT
+prefills' figures as fractions of the dense prefill's (`prune_ratios`). Each program's row
+is written to `OUT/rows/` as it compiles, so an interrupted run continues where it
+stopped; its optimized HLO goes to `OUT/hlo/`.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class ReportSettings:
     """What a row depends on besides its program (rows of other settings are redone)."""
     fields = {k: v for k, v in dataclasses.asdict(self).items()
               if k not in ("programs", "methods", "tree_sets", "batches", "spec_batches")}
+    if "pruned_prefill" not in self.programs:  # only that kind reads them
+      fields = {k: v for k, v in fields.items() if not k.startswith("prune_")}
     fields["drafts"] = json.dumps(self.drafts, sort_keys=True, default=str)
     return hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()
                         ).hexdigest()[:12]
