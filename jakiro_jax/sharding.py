@@ -46,6 +46,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
 # Fixed layouts of the arrays that are not Flax params.
 CACHE_KV_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")  # KVCache.k / .v
 CACHE_LENGTHS_AXES = ("batch",)
+CACHE_SKIPPED_AXES = ("layers", "batch", "length")  # KVCache.skipped (a pruned prefill's)
 HEAD_AXES = ("vocab", "embed")  # an lm_head matrix [V, D]
 
 
@@ -162,13 +163,15 @@ def draft_shardings(drafter, draft_params, mesh: Mesh, rules=LOGICAL_AXIS_RULES)
 
 def cache_shardings(cache, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
   """A KVCache of shardings: batch over data (x fsdp), kv heads over tensor where they
-  divide, the rest replicated. Another cache (a drafter's own kind) is split over its
-  leading batch axis."""
+  divide, the rest replicated (a pruned prefill's `skipped` mask: batch only). Another
+  cache (a drafter's own kind) is split over its leading batch axis."""
   if not isinstance(cache, KVCache):
     return jax.tree.map(lambda x: batch_sharding(x.shape, mesh, rules), cache)
   kv = logical_sharding(CACHE_KV_AXES, cache.k.shape, mesh, rules)
+  skipped = (None if cache.skipped is None
+             else logical_sharding(CACHE_SKIPPED_AXES, cache.skipped.shape, mesh, rules))
   return cache.replace(k=kv, v=kv, lengths=logical_sharding(
-      CACHE_LENGTHS_AXES, cache.lengths.shape, mesh, rules))
+      CACHE_LENGTHS_AXES, cache.lengths.shape, mesh, rules), skipped=skipped)
 
 
 def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=LOGICAL_AXIS_RULES

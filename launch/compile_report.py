@@ -4,6 +4,8 @@
   python -m launch.compile_report --device=v5e-256 --target=llama31_8b --out=DIR
   python -m launch.compile_report --device=v5p-64 --target=/path/to/config.json --out=DIR \
       --programs=ar_step,round --methods=eagle2,gumiho
+  python -m launch.compile_report --device=h100 --target=llama31_8b --out=DIR \
+      --programs=pruned_prefill --batches=1 --prune_sparsity=0.3
 
 Writes DIR/report.json and DIR/report.md (`jakiro_jax/reports/compile_report.py`):
 memory per device against HBM, flops, bytes (counted kernel by kernel, beside XLA's
@@ -34,7 +36,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "the target's own file in configs/, else configs/real_targets.py).")
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 _PROGRAMS = flags.DEFINE_list("programs", None, "Programs (default all): prefill, "
-                              "ar_step, ar_loop, gen_data, round, spec_loop, train.")
+                              "ar_step, ar_loop, gen_data, round, spec_loop, train, "
+                              "pruned_prefill (dense, FTP and ShortGPT prefills of "
+                              "--prune_len tokens).")
 _METHODS = flags.DEFINE_list("methods", None, "Methods (default: every registered one).")
 _TREE_SETS = flags.DEFINE_list("tree_sets", None, "papers, config (default both).")
 _BATCHES = flags.DEFINE_list("batches", None, "Batches of prefill and the AR programs "
@@ -57,6 +61,14 @@ _LAYERS = flags.DEFINE_integer("layers", None, "Compile the target with this man
 _VOCAB_BLOCKS = flags.DEFINE_integer("vocab_blocks", None, "Blocks of the drafts' "
                                      "vocabulary top-k (default: as on an accelerator; 1: "
                                      "one top-k over the whole vocabulary).")
+_PRUNE_LEN = flags.DEFINE_integer("prune_len", 2048, "pruned_prefill: padded prompt tokens.")
+_PRUNE_SPARSITY = flags.DEFINE_float(
+    "prune_sparsity", 0.3, "pruned_prefill: mean sparsity S of the uniform schedule (block "
+    "0 dense) and of ShortGPT (round(N S) blocks removed).")
+_PRUNE_SCHEDULE = flags.DEFINE_string(
+    "prune_schedule", None, "pruned_prefill: a schedule instead of the uniform one (a "
+    "schedule.json / router.json from launch.prune, or a shipped name); ShortGPT takes "
+    "its mean sparsity.")
 
 
 
@@ -117,7 +129,9 @@ def main(argv):
       train_mesh=parse_mesh_flag(_TRAIN_MESH.value) if _TRAIN_MESH.value else None,
       train_batch_per_device=_TRAIN_BATCH.value, train_len=_TRAIN_LEN.value,
       drafts=drafts_of(_TARGET.value, _CONFIG.value), layers=_LAYERS.value,
-      vocab_blocks=_VOCAB_BLOCKS.value or defaults.vocab_blocks)
+      vocab_blocks=_VOCAB_BLOCKS.value or defaults.vocab_blocks,
+      prune_len=_PRUNE_LEN.value,
+      prune_schedule=_PRUNE_SCHEDULE.value or f"uniform:{_PRUNE_SPARSITY.value}")
   for name in settings.methods or ():
     if name not in registry.names():
       raise app.UsageError(f"--methods: unknown method {name!r}; known: "

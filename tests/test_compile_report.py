@@ -15,6 +15,8 @@ import pytest  # noqa: E402
 from jakiro_jax import sharding  # noqa: E402
 from jakiro_jax.drafts import registry  # noqa: E402
 from jakiro_jax.models.config import LlamaConfig  # noqa: E402
+from jakiro_jax.prune.flops import schedule_flops  # noqa: E402
+from jakiro_jax.prune.schedule import uniform_schedule  # noqa: E402
 from jakiro_jax.reports import compile_report as cr  # noqa: E402
 from jakiro_jax.reports import programs  # noqa: E402
 
@@ -373,3 +375,83 @@ def test_cache_written_and_read_in_place_on_one_h100(tokens):
            if ins.opcode != "parameter" and traffic.kernel(comp, ins) >= cache_bytes
            and "gemm" not in ins.name]  # the weights' matmuls are larger than the cache
   assert not whole, whole
+
+
+def test_pruned_prefill_flops_follow_the_schedule(platform):
+  """The FTP static router's gathered prefill lowers beside the dense prefill (same
+  tokens, batch and cache) and its FLOPs fall by about the schedule's block FLOPs ratio;
+  ShortGPT's (one block of two removed) by half. The weights are the same, so are the
+  arguments; ShortGPT holds a block fewer."""
+  config, length = tiny(2), 256
+  mesh = tensor_mesh(platform)
+  schedule = uniform_schedule(config.num_layers, 0.3)  # (0, 0.6)
+  built = {"dense": programs.prefill_program(config, mesh, 1, length, length),
+           "ftp": programs.pruned_prefill_program(config, mesh, 1, length, length,
+                                                  schedule),
+           "shortgpt": programs.shortgpt_prefill_program(config, mesh, 1, length, length,
+                                                         0.3)}
+  flops, memory = {}, {}
+  for name, program in built.items():
+    exe, _ = compiled(program)
+    flops[name] = aot.cost_of(exe)["flops"]
+    memory[name] = aot.memory_of(exe)
+  expected = schedule_flops(config, schedule, length)["ratio"]
+  assert built["ftp"].info["flops_ratio"] == expected
+  assert built["ftp"].info["kept"] == [256, 103]
+  assert flops["ftp"] / flops["dense"] == pytest.approx(expected, abs=0.03)
+  assert built["shortgpt"].info == dict(batch=1, tokens=length, cache_slots=length,
+                                        sparsity=0.3, removed_layers=1, flops_ratio=0.5)
+  assert flops["shortgpt"] / flops["dense"] == pytest.approx(0.5, abs=0.03)
+  assert memory["ftp"]["arguments"] == memory["dense"]["arguments"]
+  assert memory["shortgpt"]["arguments"] < memory["dense"]["arguments"]
+
+
+def test_pruned_prefill_jobs_and_ratios(tmp_path):
+  """The kind builds the dense, FTP and ShortGPT prefills per batch at `prune_len`; the
+  ratios are each method's figures over the dense one's; a dense or mis-sized schedule
+  is refused by name."""
+  config = tiny(4)
+  gpu = aot.platform("h100", 1)
+  mesh = sharding.make_mesh((1, 1, 1), devices=gpu.devices)
+  settings = cr.ReportSettings(programs=("pruned_prefill",), batches=(1, 2), prune_len=64,
+                               max_len=32, prune_schedule="uniform:0.5")
+  found = cr.pruned_prefill_jobs(settings, config, mesh)
+  assert [j.key for j in found] == [f"pruned_prefill {m} T64 b{b}" for b in (1, 2)
+                                    for m in ("dense", "ftp", "shortgpt")]
+  assert [j.key for j in cr.jobs(settings, config, gpu)] == [j.key for j in found]
+  program = found[1].build()  # cache slots hold the prompt even under a smaller max_len
+  assert (program.name, program.info["cache_slots"], program.info["sparsity"]) == (
+      "pruned_prefill", 64, 0.5)
+  assert found[2].build().info["removed_layers"] == 2
+  # The prune settings key the rows of this kind only (other reports' rows stay valid).
+  assert settings.key() != dataclasses.replace(settings, prune_len=128).key()
+  other = dataclasses.replace(settings, programs=("ar_step",))
+  assert other.key() == dataclasses.replace(other, prune_len=128).key()
+
+  def row(method, flops, moved, peak):
+    return {"key": f"pruned_prefill {method} T64 b1", "kind": "pruned_prefill",
+            "batch": 1, "tokens": 64, "sparsity": 0.5, "flops_ratio": 0.5,
+            "flops": flops, "bytes_moved": moved, "bytes": 2 * moved,
+            "roofline": {"roofline_s": moved / 10}, "memory": {"peak": peak}}
+
+  rows = [row("dense", 100.0, 40.0, 8), row("ftp", 60.0, 30.0, 8),
+          row("shortgpt", 50.0, 20.0, 4), {"key": "ar_step b1", "kind": "ar_step"}]
+  ftp, shortgpt = cr.prune_ratios(rows)
+  assert ftp["method"] == "ftp" and shortgpt["method"] == "shortgpt"
+  assert ftp["ratios"] == pytest.approx(dict(flops=0.6, bytes_moved=0.75, bytes=0.75,
+                                             roofline_s=0.75, peak=1.0))
+  assert shortgpt["ratios"]["peak"] == 0.5 and ftp["flops_ratio_blocks"] == 0.5
+  text = cr.markdown({"target": "t", "platform": {"label": "h100 x1", "devices": 1,
+                                                  "device_kind": "H100", "hosts": 1},
+                      "peaks": aot.PEAKS["h100"], "mesh": {}, "train_mesh": {},
+                      "versions": {"jax": jax.__version__}, "rows": [],
+                      "projections": [], "pruned_prefill": [ftp, shortgpt]})
+  assert "| ftp | 64 | 1 | 0.500 | 0.500 | 0.600 | 0.750 | 0.750 | 0.750 | 1.000 |" in text
+  with pytest.raises(ValueError, match="prunes nothing"):
+    cr.pruned_prefill_jobs(dataclasses.replace(settings, prune_schedule="dense"), config,
+                           mesh)
+  wrong = tmp_path / "schedule.json"
+  wrong.write_text(json.dumps({"schedule": [0.0, 0.3]}))
+  with pytest.raises(ValueError, match="2 entries, the model has 4 layers"):
+    cr.pruned_prefill_jobs(dataclasses.replace(settings, prune_schedule=str(wrong)),
+                           config, mesh)

@@ -66,9 +66,13 @@ def block_influence(params, config: LlamaConfig, tokens, lengths, batch_size: in
   return total / count
 
 
+def removed_count(num_layers: int, budget: float) -> int:
+  """Blocks ShortGPT removes from `num_layers` at mean sparsity `budget`: round(N budget)."""
+  return int(round(num_layers * check_budget(budget)))
+
+
 def shortgpt_removed(influence, budget: float) -> tuple[int, ...]:
   """The `round(N * budget)` blocks of lowest influence, ascending by block index."""
   influence = np.asarray(influence, np.float64)
-  budget = check_budget(budget)
-  n = int(round(len(influence) * budget))
+  n = removed_count(len(influence), budget)
   return tuple(sorted(int(i) for i in np.argsort(influence, kind="stable")[:n]))

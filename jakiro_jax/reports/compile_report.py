@@ -9,8 +9,10 @@ inside the loop body, kernels and host launches per step (GPU), and the roofline
 `max(flops / peak, bytes moved / bandwidth)` (+ on a GPU the launches and the kernels
 inside command buffers at their costs), every peak from `aot.PEAKS`. From those,
 labelled as projections: a round's cost in AR steps and the speedup a given tau (e.g. the
-one we measured) would give. Each program's row is written to `OUT/rows/` as it compiles,
-so an interrupted run continues where it stopped; its optimized HLO goes to `OUT/hlo/`.
+one we measured) would give; for the `pruned_prefill` kind, the FTP and ShortGPT
+prefills' figures as fractions of the dense prefill's (`prune_ratios`). Each program's row
+is written to `OUT/rows/` as it compiles, so an interrupted run continues where it
+stopped; its optimized HLO goes to `OUT/hlo/`.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ from jakiro_jax import atomic_dir, sharding  # noqa: E402
 from jakiro_jax.drafts import registry  # noqa: E402
 from jakiro_jax.models.config import config_from_hf  # noqa: E402
 from jakiro_jax.models.presets import preset_or_file  # noqa: E402
+from jakiro_jax.prune.assets import static_schedule  # noqa: E402
+from jakiro_jax.prune.schedule import mean_sparsity  # noqa: E402
 from jakiro_jax.reports import programs  # noqa: E402
 from jakiro_jax.speculative.tree import VOCAB_BLOCKS  # noqa: E402
 
 PROGRAM_KINDS = ("prefill", "ar_step", "ar_loop", "gen_data", "round", "spec_loop",
-                 "train")
+                 "train", "pruned_prefill")
 GENERATION_LOOPS = ("ar_loop", "gen_data", "spec_loop")  # programs around a while loop
 
 
@@ -65,11 +69,18 @@ class ReportSettings:
   drafts: Any = None  # {method: config block} (the config file's `drafts`); None: defaults
   layers: int | None = None  # the target with this many layers (isolating a cost); None: all
   vocab_blocks: int = VOCAB_BLOCKS  # the drafts' top-k blocks (1: one top-k, as on a CPU)
+  # pruned_prefill: dense, FTP (static router, gathered) and ShortGPT prefills of prune_len
+  # tokens; prune_schedule as `prune.assets.static_schedule` reads it ("uniform:S", a
+  # shipped name, a schedule.json / router.json path); ShortGPT at the schedule's mean.
+  prune_len: int = 2048
+  prune_schedule: str = "uniform:0.3"
 
   def key(self) -> str:
     """What a row depends on besides its program (rows of other settings are redone)."""
     fields = {k: v for k, v in dataclasses.asdict(self).items()
               if k not in ("programs", "methods", "tree_sets", "batches", "spec_batches")}
+    if "pruned_prefill" not in self.programs:  # only that kind reads them
+      fields = {k: v for k, v in fields.items() if not k.startswith("prune_")}
     fields["drafts"] = json.dumps(self.drafts, sort_keys=True, default=str)
     return hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()
                         ).hexdigest()[:12]
@@ -141,6 +152,8 @@ def jobs(settings: ReportSettings, config, platform: aot.Platform) -> list[Job]:
               return programs.spec_loop_program(config, drafter, mesh, b, s.prompt_len,
                                                 s.max_new_tokens, s.max_len)
             out.append(Job(f"{kind} {method} {tree_set} b{b}", kind, build))
+    elif kind == "pruned_prefill":
+      out += pruned_prefill_jobs(s, config, mesh)
     elif kind == "train":
       train_mesh = sharding.make_mesh(train_sizes, devices=platform.devices)
       batch = s.train_batch_per_device * train_sizes[0] * train_sizes[1]
@@ -151,6 +164,31 @@ def jobs(settings: ReportSettings, config, platform: aot.Platform) -> list[Job]:
                        programs.train_program(config, method_drafter(m, "config", config,
                                                                      s.drafts),
                                               train_mesh, b, s.train_len)))
+  return out
+
+
+PRUNED_PREFILLS = ("dense", "ftp", "shortgpt")  # the pruned_prefill kind's three programs
+
+
+def pruned_prefill_jobs(settings: ReportSettings, config, mesh) -> list[Job]:
+  """Per batch: the dense prefill, the FTP static router's gathered prefill under the
+  settings' schedule and ShortGPT at its mean sparsity, all over `prune_len` tokens."""
+  schedule = static_schedule(settings.prune_schedule, config.num_layers)
+  if schedule is None:
+    raise ValueError(f"prune_schedule {settings.prune_schedule!r} prunes nothing: name a "
+                     f"sparse schedule (uniform:S, a shipped name or a schedule file)")
+  length = settings.prune_len
+  slots = max(settings.max_len, length)
+  out = []
+  for b in settings.batches:
+    builds = {
+        "dense": lambda b=b: programs.prefill_program(config, mesh, b, length, slots),
+        "ftp": lambda b=b: programs.pruned_prefill_program(config, mesh, b, length, slots,
+                                                           schedule),
+        "shortgpt": lambda b=b: programs.shortgpt_prefill_program(
+            config, mesh, b, length, slots, mean_sparsity(schedule))}
+    out += [Job(f"pruned_prefill {name} T{length} b{b}", "pruned_prefill", builds[name])
+            for name in PRUNED_PREFILLS]
   return out
 
 
@@ -239,6 +277,41 @@ def projections(rows: Sequence[Mapping], tau: Mapping | None = None) -> list[dic
   return out
 
 
+PRUNE_RATIO_FIELDS = ("flops", "bytes_moved", "bytes", "roofline_s", "peak")
+
+
+def _prune_figures(row: Mapping) -> dict:
+  return {"flops": row["flops"], "bytes_moved": row["bytes_moved"], "bytes": row["bytes"],
+          "roofline_s": row["roofline"]["roofline_s"], "peak": row["memory"]["peak"]}
+
+
+def prune_ratios(rows: Sequence[Mapping]) -> list[dict]:
+  """Per batch and length of the pruned_prefill kind: FTP / dense and ShortGPT / dense
+  of flops, bytes (moved and XLA's counter), roofline and peak memory, beside each
+  method's block FLOPs ratio (FTP: `prune.flops.schedule_flops`; ShortGPT: (N - n) / N).
+  Compiled figures, not timings."""
+  groups: dict[tuple, dict] = {}
+  for r in rows:
+    if r.get("kind") == "pruned_prefill" and "memory" in r:
+      name = r["key"].split()[1]
+      groups.setdefault((r["batch"], r["tokens"]), {})[name] = r
+  out = []
+  for (batch, tokens), found in sorted(groups.items()):
+    if "dense" not in found:
+      continue
+    dense = _prune_figures(found["dense"])
+    for name in PRUNED_PREFILLS[1:]:
+      if name not in found:
+        continue
+      r = found[name]
+      mine = _prune_figures(r)
+      out.append({"method": name, "batch": batch, "tokens": tokens,
+                  "sparsity": r["sparsity"], "flops_ratio_blocks": r["flops_ratio"],
+                  "ratios": {k: mine[k] / dense[k] if dense[k] else None
+                             for k in PRUNE_RATIO_FIELDS}})
+  return out
+
+
 def run_report(settings: ReportSettings, out_dir: str,
                progress: Callable[[str], None] = print, tau: Mapping | None = None) -> dict:
   """Compiles every program of `settings` and writes OUT/report.json and report.md (and
@@ -289,7 +362,8 @@ def run_report(settings: ReportSettings, out_dir: str,
       "train_mesh": dict(zip(sharding.MESH_AXES, train_sizes)),
       "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "drafts"},
       "versions": {"jax": jax.__version__},
-      "rows": rows, "projections": projections(rows, tau)}
+      "rows": rows, "projections": projections(rows, tau),
+      "pruned_prefill": prune_ratios(rows)}
   atomic_dir.write_json(os.path.join(out_dir, "report.json"), report)
   with open(os.path.join(out_dir, "report.md"), "w") as f:
     f.write(markdown(report))
@@ -390,4 +464,14 @@ def markdown(report: Mapping) -> str:
       lines.append(f"| {x['round']} | {x['tree_nodes']} | {x['round_s'] * 1e3:.3f} | "
                    f"{x['ar_step_s'] * 1e3:.3f} | {x['round_in_ar_steps']:.2f} | {tau} | "
                    f"{speed} |")
+  if report.get("pruned_prefill"):
+    lines += ["", "Pruned prefill (compiled figure / the dense prefill's, same tokens and "
+              "batch; blocks FLOPs: the method's own count over the blocks alone):", "",
+              "| method | T | batch | S | blocks FLOPs | GFLOP | GB moved | XLA counter | "
+              "roofline | peak memory |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in report["pruned_prefill"]:
+      q = x["ratios"]
+      cells = " | ".join("-" if q[k] is None else f"{q[k]:.3f}" for k in PRUNE_RATIO_FIELDS)
+      lines.append(f"| {x['method']} | {x['tokens']} | {x['batch']} | {x['sparsity']:.3f} "
+                   f"| {x['flops_ratio_blocks']:.3f} | {cells} |")
   return "\n".join(lines) + "\n"

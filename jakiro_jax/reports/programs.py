@@ -8,6 +8,8 @@ for whatever devices the mesh holds (compile-only H100s or TPU slices, `aot.py`)
 
 Programs:
   prefill            the target over a padded prompt (`autoregressive.prefill`)
+  pruned_prefill     the static router's token-pruned gathered prefill (`prune.prefill`)
+  shortgpt_prefill   the dense prefill of the target with round(N S) blocks removed
   ar_step            one AR decode forward, cache donated (T = 1)
   ar_loop            the whole jitted AR `lax.while_loop` (`autoregressive._ar_loop`)
   gen_data           `ar_loop` at the batch and lengths self-distillation generates with
@@ -21,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,10 @@ from jakiro_jax import sharding
 from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, init_params, new_cache
+from jakiro_jax.prune.baselines import removed_count
+from jakiro_jax.prune.flops import schedule_flops
+from jakiro_jax.prune.prefill import PrunedPrefill
+from jakiro_jax.prune.schedule import check_schedule, keep_counts, mean_sparsity
 from jakiro_jax.speculative import autoregressive as ar
 from jakiro_jax.speculative import generate as spec
 from jakiro_jax.speculative.round_timing import decode_forward
@@ -102,23 +108,58 @@ def _key(mesh):
 
 
 def prefill_program(config: LlamaConfig, mesh, batch: int, prompt_len: int,
-                    max_len: int) -> Program:
-  """The target over right-padded prompts `[batch, prompt_len]` into a donated cache."""
+                    max_len: int, prefill_fn=None, name: str = "prefill",
+                    info: dict | None = None) -> Program:
+  """The target over right-padded prompts `[batch, prompt_len]` into a donated cache, by
+  the dense prefill or by `prefill_fn` in its place (`autoregressive.target_prefill`)."""
   params, params_sh = abstract_target(config, mesh)
   cache, cache_sh = abstract_cache(lambda: new_cache(config, batch, max_len), mesh)
   model = Llama(config)
   rows = sharding.batch_sharding((batch,), mesh)
 
   def run(params, prompt, lengths, cache):
-    logits, _, cache = ar.prefill(model, params, prompt, lengths, cache)
+    logits, _, cache = ar.target_prefill(model, params, prompt, lengths, cache, prefill_fn)
     return logits, cache
 
+  prompt = _rows(batch, mesh, jnp.int32, prompt_len)
+  lengths = _rows(batch, mesh)
+  # A pruned prefill's cache also marks the slots each layer skipped.
+  out_cache = jax.eval_shape(run, params, prompt, lengths, cache)[1]
   fn = jax.jit(run, in_shardings=(params_sh, rows, rows, cache_sh),
-               out_shardings=(rows, cache_sh), donate_argnums=(3,))
-  args = (placed(params, params_sh), _rows(batch, mesh, jnp.int32, prompt_len),
-          _rows(batch, mesh), placed(cache, cache_sh))
-  return Program("prefill", fn, args, dict(batch=batch, tokens=prompt_len,
-                                           cache_slots=max_len), params)
+               out_shardings=(rows, sharding.cache_shardings(out_cache, mesh)),
+               donate_argnums=(3,))
+  args = (placed(params, params_sh), prompt, lengths, placed(cache, cache_sh))
+  return Program(name, fn, args, dict(batch=batch, tokens=prompt_len, cache_slots=max_len,
+                                      **(info or {})), params)
+
+
+def pruned_prefill_program(config: LlamaConfig, mesh, batch: int, prompt_len: int,
+                           max_len: int, schedule: Sequence[float]) -> Program:
+  """The static router's gathered prefill under `schedule` (`prune.prefill.PrunedPrefill`:
+  block i runs on its k_i = ceil((1 - s_i) T) kept tokens only) in place of the dense
+  prefill, same shapes and shardings. `info` carries the schedule and its block FLOPs
+  ratio (`prune.flops.schedule_flops`)."""
+  schedule = check_schedule(schedule, config.num_layers)
+  info = dict(sparsity=mean_sparsity(schedule), kept=list(keep_counts(schedule, prompt_len)),
+              flops_ratio=schedule_flops(config, schedule, prompt_len)["ratio"])
+  return prefill_program(config, mesh, batch, prompt_len, max_len, PrunedPrefill(schedule),
+                         "pruned_prefill", info)
+
+
+def shortgpt_prefill_program(config: LlamaConfig, mesh, batch: int, prompt_len: int,
+                             max_len: int, sparsity: float) -> Program:
+  """ShortGPT's prefill at mean sparsity `sparsity`: the dense prefill of the target with
+  round(N S) blocks fewer (which ones does not change the cost). `info` carries the
+  blocks removed and the block FLOPs ratio (N - n) / N."""
+  removed = removed_count(config.num_layers, sparsity)
+  if removed >= config.num_layers:
+    raise ValueError(f"ShortGPT at sparsity {sparsity} removes all {config.num_layers} "
+                     f"blocks")
+  kept = config.num_layers - removed
+  info = dict(sparsity=float(sparsity), removed_layers=removed,
+              flops_ratio=kept / config.num_layers)
+  return prefill_program(config.replace(num_layers=kept), mesh, batch, prompt_len, max_len,
+                         name="shortgpt_prefill", info=info)
 
 
 def forward_program(config: LlamaConfig, mesh, batch: int, tokens: int,
