@@ -30,6 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
       articles="",  # held-out natural text (e.g. the summarisation questions, sum.jsonl)
       questions=("",),  # held-out questions (e.g. alpaca, gsm8k, qa, humaneval .jsonl)
       mc="",  # empty: the shipped ARC-Easy subset (jakiro_jax/assets/prune/mc)
+      cloze="",  # empty: the articles (cloze items from the texts after the first 8)
   ))
   # Search fitness batch: chat-template user turns packed into full rows.
   c.calib_rows = 4
@@ -50,9 +51,17 @@ def get_config() -> ml_collections.ConfigDict:
       steps=120, batch_size=2, rows=48, length=128, lr=1e-3, weight_decay=0.0, clip=1.0,
       guide_fraction=0.5, save_every=20, inputs="factors"))
 
-  # Held-out evaluation.
+  # Held-out evaluation. MC-style scoring (ARC-Easy, and cloze items from natural text,
+  # `prune.tasks.cloze_items`: a 30-word passage, its next 8 words against 3 segments of
+  # other texts; up to 3 items per text of the cloze file, skipping its first
+  # `cloze_skip` texts, the perplexity rows) runs twice: as is (the answer ends the row)
+  # and fair, with `mc_tail` tokens of other items' text after each row so the answer is
+  # no longer among the newest tokens the static router always keeps (0: skip the fair
+  # runs; 192 puts the answers of 64- and 80-token rows in the oldest ~25-30% of the
+  # row; see `evaluate.score_mc`). cloze_items=0 skips the cloze task.
   c.eval = ml_collections.ConfigDict(dict(
       articles=8, article_length=256, questions_per_file=4, question_length=128,
-      batch_size=8, mc_items=100, mc_length=64, gen_prompts=8, gen_tokens=32,
-      random_seed=0))
+      batch_size=8, mc_items=100, mc_length=64, mc_tail=192, cloze_items=200,
+      cloze_context_words=30, cloze_choice_words=8, cloze_skip=8, cloze_per_text=3,
+      cloze_length=80, gen_prompts=8, gen_tokens=32, random_seed=0))
   return c

@@ -14,8 +14,9 @@ train: trains the dynamic router under DIR/schedule.json (checkpoints in
   --config.router.inputs=hidden trains the input ablation instead: the hidden-state router
   (D -> 64 -> 1 on the residual stream entering each block) in DIR/router_hidden/, on the
   searched schedule (no fine-tune); DIR/router/ is left as it is.
-eval: held-out perplexity, KL / top-1 vs dense, greedy-32 agreement, MC accuracy, achieved
-  sparsity and FLOPs ratio of FTP-dynamic, FTP-static (searched schedule), uniform-static,
+eval: held-out perplexity, KL / top-1 vs dense, greedy-32 agreement, MC accuracy (ARC-Easy
+  and the cloze task, each as is and fair: config.eval.mc_tail), achieved sparsity and
+  FLOPs ratio of FTP-dynamic, FTP-static (searched schedule), uniform-static,
   random and ShortGPT at the router's budget, and FTP-hidden when
   DIR/router_hidden/router.json exists; without --out_dir the shipped router (--shipped,
   default smollm2_s30) and its schedule. Writes --json_out.
@@ -45,7 +46,8 @@ _SHIPPED = flags.DEFINE_string("shipped", "smollm2_s30", "eval without --out_dir
 _METHODS = flags.DEFINE_list("methods", None, "eval: a subset of dense,ftp_dynamic,"
                              "ftp_static,uniform_static,random,shortgpt,ftp_hidden (default "
                              "all; ftp_hidden when DIR/router_hidden/router.json exists).")
-_NO_MC = flags.DEFINE_bool("no_mc", False, "eval: skip the multiple-choice accuracy.")
+_NO_MC = flags.DEFINE_bool("no_mc", False, "eval: skip every multiple-choice scoring "
+                           "(ARC-Easy and cloze, as is and with the fair tail).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "eval: write the report here.")
 
 def _check_config(config) -> None:

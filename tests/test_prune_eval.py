@@ -175,3 +175,93 @@ def test_shipped_router_loads_with_its_budget():
     assets.load_shipped("nope")
   items = ev.read_mc(assets.MC_FILE)
   assert len(items) == 200 and all(0 <= i["gold"] < len(i["choices"]) for i in items)
+
+
+# ------------------------------------------------------------------------------- MC
+
+class CharTarget:
+  """A target stand-in whose tokenizer maps each character to one id of the tiny vocab."""
+
+  class tokenizer:  # noqa: N801 (the attribute name of a real target)
+    @staticmethod
+    def encode(text, add_special_tokens=False):
+      return [1 + ord(c) % 96 for c in text]
+
+
+MC_ITEMS = [{"query": f"Q{i}: {'abcdefgh'[i]} then", "choices": ["xy", "zzw", "q", "rst"],
+             "gold": i % 4} for i in range(5)]
+
+
+def test_mc_rows_tail_is_other_items_text_after_the_real_tokens():
+  rows = ev.mc_rows(CharTarget, MC_ITEMS, 16, tail=40)
+  tails = ev.mc_tails(CharTarget, MC_ITEMS, 40)
+  assert rows.tokens.shape == (20, 56)
+  np.testing.assert_array_equal(rows.lengths, rows.ends + 40)
+  for r in range(20):
+    i = rows.owner[r]
+    np.testing.assert_array_equal(rows.tokens[r, rows.ends[r]:rows.lengths[r]], tails[i])
+    assert not rows.tokens[r, rows.lengths[r]:].any()  # padding only at the very end
+  # item 0's tail: items 1, 2, ... (query + gold answer), never its own text
+  encode = CharTarget.tokenizer.encode
+  assert tails[0] == sum((encode("\n\n" + ev.mc_text(MC_ITEMS[j])) for j in (1, 2, 3)),
+                         [])[:40]
+  assert tails[4][:len(encode("\n\nQ0"))] == encode("\n\nQ0")  # wraps around
+  assert ev.mc_text(MC_ITEMS[3]) == "Q3: d then rst"
+  # 2 items and a long tail: the other item's text, repeated, never the own
+  two = ev.mc_tails(CharTarget, MC_ITEMS[:2], 100)[0]
+  own = encode("\n\n" + ev.mc_text(MC_ITEMS[0]))
+  assert len(two) == 100 and all(two[k:k + len(own)] != own for k in range(100))
+  # tail 0 is today's rows exactly
+  plain = ev.mc_rows(CharTarget, MC_ITEMS, 16)
+  np.testing.assert_array_equal(plain.lengths, plain.ends)
+  np.testing.assert_array_equal(plain.tokens, rows.tokens[:, :16] * (
+      np.arange(16)[None] < plain.lengths[:, None]))
+  with pytest.raises(ValueError, match="needs >= 2 items"):
+    ev.mc_rows(CharTarget, MC_ITEMS[:1], 16, tail=8)
+
+
+def test_mc_scores_are_the_continuation_logprob_and_the_tail_leaves_dense_unchanged(setup):
+  config, params = setup
+  dense = ev.Method("d", "dense")
+  rows = ev.mc_rows(CharTarget, MC_ITEMS, 16)
+  scores = ev.mc_scores(params, config, dense, rows, batch_size=8)
+  # by hand from the full log-probabilities
+  logp = np.asarray(ev.dense_logprobs(params, jnp.asarray(rows.tokens),
+                                      jnp.asarray(rows.lengths), config=config))
+  expected = [sum(logp[r, p, rows.tokens[r, p + 1]] for p in range(s - 1, e - 1))
+              for r, (s, e) in enumerate(zip(rows.starts, rows.ends))]
+  np.testing.assert_allclose(scores, expected, atol=1e-4)
+  tailed = ev.mc_scores(params, config, dense, ev.mc_rows(CharTarget, MC_ITEMS, 16, tail=40),
+                        batch_size=8)
+  np.testing.assert_allclose(tailed, scores, atol=1e-4)
+  accuracy = ev.score_mc(params, config, CharTarget, [dense], MC_ITEMS, 16, 8)
+  assert ev.score_mc(params, config, CharTarget, [dense], MC_ITEMS, 16, 8,
+                     tail=40) == accuracy
+  gold = [item["gold"] for item in MC_ITEMS]
+  assert accuracy["d"] == ev.mc_accuracy(scores, rows.owner, gold)
+  # a pruned method does see the tail through its decisions
+  static = ev.Method("s", "static", (0.0, 0.3, 0.5))
+  assert not np.allclose(ev.mc_scores(params, config, static, rows, 8),
+                         ev.mc_scores(params, config, static,
+                                      ev.mc_rows(CharTarget, MC_ITEMS, 16, tail=40), 8),
+                         atol=1e-3)
+
+
+def test_mc_accuracy_by_hand():
+  owner = np.array([0, 0, 0, 1, 1])
+  scores = np.array([-3.0, -1.0, -2.0, -0.5, -0.7])
+  assert ev.mc_accuracy(scores, owner, [1, 1]) == 0.5
+  assert ev.mc_accuracy(scores, owner, [1, 0]) == 1.0
+
+
+def test_static_router_skips_answer_tokens_only_with_a_tail():
+  schedule = (0.0, 0.3, 0.5)
+  for tail, skipped in ((0, False), (40, True)):
+    rows = ev.mc_rows(CharTarget, MC_ITEMS, 16, tail=tail)
+    keep = ev.keep_mask(ev.Method("s", "static", schedule), 3, rows.lengths,
+                        rows.tokens.shape[1])
+    fraction = ev.answer_skipped(keep, rows)
+    assert (fraction > 0) == skipped, (tail, fraction)
+  # rows of <= 16 + 40 real tokens: every answer token lies in the skipped oldest part of
+  # blocks 1 and 2 (e - 1 <= floor(s (e + 40)) for e <= 16, s >= 0.3); block 0 keeps all
+  assert fraction == pytest.approx(2 / 3)

@@ -14,9 +14,11 @@ Modules:
             `pruned_prefill_jit`)
   flops     per-block and total FLOPs of a schedule against the dense model
   timing    dense vs pruned prefill wall clock
-  evaluate  held-out perplexity, KL / top-1 vs dense, greedy-decode agreement, MC accuracy,
-            achieved sparsity and FLOPs of a pruning method (`Method`, `compare`)
+  evaluate  held-out perplexity, KL / top-1 vs dense, greedy-decode agreement, MC accuracy
+            (as is and with a fair tail), achieved sparsity and FLOPs of a pruning method
+            (`Method`, `compare`)
   baselines ShortGPT block influence and the blocks it removes
+  tasks     multiple-choice tasks from natural text (`cloze_items`) for `score_mc`
   search    genetic per-block schedule search under a global budget (resumable)
   train_router  router training (guide, sparsity and distillation losses; resumable)
   assets    shipped routers (`load_shipped`) and the MC subset

@@ -390,35 +390,79 @@ def read_mc(path: str, num: int | None = None) -> list[dict]:
   return items
 
 
-def mc_rows(target, items: Sequence[Mapping[str, Any]], length: int):
-  """Every (item, choice) as one right-padded row of query + continuation tokens:
-  (tokens `[R, length]`, lengths `[R]`, continuation start `[R]`, item index `[R]`)."""
-  tokens, lengths, starts, owner = [], [], [], []
+class MCRows(NamedTuple):
+  """Scoring rows of multiple-choice items, one per (item, choice): tokens `[R, T]` int32
+  (query, continuation, tail, then padding), lengths `[R]` (real tokens, the tail
+  included), starts / ends `[R]` (the continuation is tokens starts..ends-1), owner `[R]`
+  (item index)."""
+  tokens: np.ndarray
+  lengths: np.ndarray
+  starts: np.ndarray
+  ends: np.ndarray
+  owner: np.ndarray
+
+
+def mc_text(item: Mapping[str, Any]) -> str:
+  """An item's query followed by its gold answer."""
+  return item["query"] + " " + item["choices"][item["gold"]]
+
+
+def mc_tails(target, items: Sequence[Mapping[str, Any]], tail: int) -> list[list[int]]:
+  """Per item, `tail` tokens of other held-out text: the texts (`mc_text`, each after a
+  blank line) of the items that follow it, wrapping around and never its own, concatenated
+  and cut to `tail` tokens (deterministic: only the item order matters)."""
+  if tail < 0:
+    raise ValueError(f"tail must be >= 0, got {tail}")
+  if tail == 0:
+    return [[] for _ in items]
+  if len(items) < 2:
+    raise ValueError(f"a tail of other items' text needs >= 2 items, got {len(items)}")
+  texts = [target.tokenizer.encode("\n\n" + mc_text(item), add_special_tokens=False)
+           for item in items]
+  out = []
+  for i in range(len(items)):
+    ids: list[int] = []
+    j = i
+    while len(ids) < tail:
+      j = (j + 1) % len(items)
+      if j != i:
+        ids.extend(texts[j])
+    out.append(ids[:tail])
+  return out
+
+
+def mc_rows(target, items: Sequence[Mapping[str, Any]], length: int, tail: int = 0
+            ) -> MCRows:
+  """Every (item, choice) as one row of `length + tail` tokens: query + " choice" (the
+  last `length` tokens of it), then the item's `tail` tokens of other text (`mc_tails`)
+  right after them, then padding, which nothing attends to."""
+  tails = mc_tails(target, items, tail)
+  tokens, lengths, starts, ends, owner = [], [], [], [], []
   for i, item in enumerate(items):
     query = target.tokenizer.encode(item["query"], add_special_tokens=False)
     for choice in item["choices"]:
       cont = target.tokenizer.encode(" " + choice, add_special_tokens=False)
       ids = (query + cont)[-length:]
-      start = max(len(ids) - len(cont), 1)
-      tokens.append(ids + [0] * (length - len(ids)))
-      lengths.append(len(ids))
-      starts.append(start)
+      row = ids + tails[i]
+      tokens.append(row + [0] * (length + tail - len(row)))
+      lengths.append(len(row))
+      starts.append(max(len(ids) - len(cont), 1))
+      ends.append(len(ids))
       owner.append(i)
-  return (np.asarray(tokens, np.int32), np.asarray(lengths, np.int32),
-          np.asarray(starts, np.int32), np.asarray(owner, np.int32))
+  return MCRows(*(np.asarray(a, np.int32) for a in (tokens, lengths, starts, ends, owner)))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "width"))
-def continuation_logprob(params, router, sparsity, counts, keep, tokens, lengths, starts, *,
-                         config: LlamaConfig, width: int) -> jax.Array:
-  """Summed log-probability `[B]` of tokens starts..length-1 of each row (continuations
-  of at most `width` tokens)."""
+def continuation_logprob(params, router, sparsity, counts, keep, tokens, lengths, starts,
+                         ends, *, config: LlamaConfig, width: int) -> jax.Array:
+  """Summed log-probability `[B]` of tokens starts..ends-1 of each row (continuations of
+  at most `width` tokens); the row runs on to `lengths` (a tail) for the routers."""
   out = pruned_forward(params, config, tokens, lengths, keep, router, sparsity, counts,
                        compute_logits=False)
   # The lm_head only at the positions predicting a continuation token (most of a row is
   # the query): position p predicts token p + 1.
   p = starts[:, None] - 1 + jnp.arange(width)[None, :]  # [B, width]
-  use = p + 1 < lengths[:, None]
+  use = p + 1 < ends[:, None]
   p = jnp.clip(p, 0, tokens.shape[1] - 2)
   features = jnp.take_along_axis(out.features, p[..., None], axis=1)
   logp = jax.nn.log_softmax(pm.logits_of(params, config, features), axis=-1)
@@ -427,34 +471,73 @@ def continuation_logprob(params, router, sparsity, counts, keep, tokens, lengths
   return jnp.sum(jnp.where(use, lp, 0.0), axis=1)
 
 
+def _mc_batches(rows: MCRows, batch_size: int):
+  """(first row, real rows, tokens, lengths, starts, ends) per batch; the last batch is
+  padded with repeats of its last row (one shape)."""
+  arrays = (rows.tokens, rows.lengths, rows.starts, rows.ends)
+  for first in range(0, len(rows.tokens), batch_size):
+    batch = [a[first:first + batch_size] for a in arrays]
+    real = len(batch[0])
+    if real < batch_size:
+      batch = [np.concatenate([a, np.repeat(a[-1:], batch_size - real, 0)]) for a in batch]
+    yield (first, real, *batch)
+
+
+def mc_scores(params, config: LlamaConfig, method: Method, rows: MCRows,
+              batch_size: int = 16) -> np.ndarray:
+  """Summed continuation log-probability `[R]` of every row under a method."""
+  check_method(method, config.num_layers)
+  num = rows.tokens.shape[1]
+  width = int(-(-int(np.max(rows.ends - rows.starts)) // 8) * 8)  # rounded up: fewer shapes
+  sparsity, counts = schedule_arrays(method, config.num_layers, num)
+  scores = []
+  for _, real, tok, lens, st, en in _mc_batches(rows, batch_size):
+    keep = (None if method.kind == "dynamic"
+            else jnp.asarray(keep_mask(method, config.num_layers, lens, num)))
+    scores.append(np.asarray(continuation_logprob(
+        params, method.router, sparsity, counts, keep, jnp.asarray(tok), jnp.asarray(lens),
+        jnp.asarray(st), jnp.asarray(en), config=config, width=width))[:real])
+  return np.concatenate(scores)
+
+
+def mc_accuracy(scores: np.ndarray, owner: np.ndarray, gold: Sequence[int]) -> float:
+  """Fraction of items whose highest-scoring row (`scores [R]`, `owner [R]`) is the gold
+  choice (the items' rows are consecutive, in choice order)."""
+  picked = np.asarray([np.argmax(np.where(owner == i, scores, -np.inf))
+                       for i in range(len(gold))])
+  first = np.asarray([np.argmax(owner == i) for i in range(len(gold))])
+  return float(np.mean(picked - first == np.asarray(gold)))
+
+
+def answer_skipped(keep: np.ndarray, rows: MCRows) -> float:
+  """Mean over blocks of the skipped fraction of the continuation tokens: keep
+  `[R, L, T]` (a method's decisions on `rows`)."""
+  t = np.arange(rows.tokens.shape[1])[None, :]
+  answer = (t >= rows.starts[:, None]) & (t < rows.ends[:, None])  # [R, T]
+  kept = (np.asarray(keep) & answer[:, None, :]).sum(axis=(0, 2))  # [L]
+  return float(np.mean(1.0 - kept / answer.sum()))
+
+
 def score_mc(params, config: LlamaConfig, target, methods: Sequence[Method],
-             items: Sequence[Mapping[str, Any]], length: int = 64, batch_size: int = 16
-             ) -> dict:
+             items: Sequence[Mapping[str, Any]], length: int = 64, batch_size: int = 16,
+             tail: int = 0) -> dict:
   """Log-likelihood MC accuracy of each method: the choice whose continuation has the
-  highest summed log-probability. Returns {name: accuracy}."""
-  tokens, lengths, starts, owner = mc_rows(target, items, length)
-  gold = np.asarray([item["gold"] for item in items])
-  width = int(-(-int(np.max(lengths - starts)) // 8) * 8)  # rounded up: fewer shapes
-  out = {}
-  for m in methods:
-    check_method(m, config.num_layers)
-    sparsity, counts = schedule_arrays(m, config.num_layers, length)
-    scores = []
-    for start in range(0, len(tokens), batch_size):
-      tok, lens, st = (a[start:start + batch_size] for a in (tokens, lengths, starts))
-      rows = len(tok)
-      if rows < batch_size:
-        pad = batch_size - rows
-        tok, lens, st = (np.concatenate([a, np.repeat(a[-1:], pad, 0)])
-                         for a in (tok, lens, st))
-      keep = (None if m.kind == "dynamic"
-              else jnp.asarray(keep_mask(m, config.num_layers, lens, length)))
-      scores.append(np.asarray(continuation_logprob(
-          params, m.router, sparsity, counts, keep, jnp.asarray(tok), jnp.asarray(lens),
-          jnp.asarray(st), config=config, width=width))[:rows])
-    scores = np.concatenate(scores)
-    picked = np.asarray([np.argmax(np.where(owner == i, scores, -np.inf))
-                         for i in range(len(items))])
-    first = np.asarray([np.argmax(owner == i) for i in range(len(items))])
-    out[m.name] = float(np.mean(picked - first == gold))
-  return out
+  highest summed log-probability. Returns {name: accuracy}.
+
+  tail = 0: each row ends with its continuation, so the static router (which keeps token
+  0 and the newest tokens) never skips a scored token and its accuracy is flattered.
+  tail > 0 (fair scoring): `tail` tokens of other items' text follow each row
+  (`mc_rows`), so the scored tokens are the oldest part of a longer row and every router
+  decides on them as on any token; the scored positions do not see the tail (causal), so
+  the dense model's scores are unchanged. The evaluation's default tail, 192 with
+  length 64 (256-token rows): keep-newest at sparsity s skips positions 1..floor(s L) of
+  an L-token row, so a continuation ending at position e is skipped whole once
+  e - 1 <= s (e + tail): with tail 192 that holds for every row (e <= 64) in the blocks
+  at s >= 0.25, and for rows with e <= 82 at s = 0.3, i.e. under a budget of 0.3 the
+  answers sit in the skipped oldest part in most blocks. A longer tail costs time in
+  proportion (rows are scored whole)."""
+  rows = mc_rows(target, items, length, tail)
+  gold = [item["gold"] for item in items]
+  return {m.name: mc_accuracy(mc_scores(params, config, m, rows, batch_size), rows.owner,
+                              gold)
+          for m in methods}

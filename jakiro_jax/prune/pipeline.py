@@ -24,6 +24,10 @@ METHOD_LABELS = {
     "ftp_hidden": "FTP-hidden (hidden-state router, searched schedule)",
 }
 ROUTER_DIRS = {"factors": "router", "hidden": "router_hidden"}
+# MC-style accuracies of the report (and the retention of each, "_accuracy" -> "_retention"),
+# with their `eval_table` columns.
+MC_KEYS = (("mc_accuracy", "MC"), ("mc_fair_accuracy", "MCfair"),
+           ("cloze_accuracy", "cloze"), ("cloze_fair_accuracy", "clzfair"))
 
 
 def data_paths(config) -> dict:
@@ -39,8 +43,12 @@ def data_paths(config) -> dict:
                            f"{name.split('[')[0]}=PATH (FastChat .jsonl; see docs/FTP.md)")
     if not os.path.isfile(path):
       raise FileNotFoundError(f"config.data.{name}: no such file {path}")
+  cloze = data.get("cloze", "")
+  if cloze and not os.path.isfile(cloze):
+    raise FileNotFoundError(f"config.data.cloze: no such file {cloze}")
   return {"prompts": data.prompts, "articles": data.articles,
-          "questions": list(data.questions), "mc": data.mc or MC_FILE}
+          "questions": list(data.questions), "mc": data.mc or MC_FILE,
+          "cloze": cloze or data.articles}
 
 
 def target_of(config):
@@ -161,12 +169,35 @@ def _progress(start, what) -> None:
   print(f"[{time.time() - start:6.0f} s] {what}", flush=True)
 
 
+def mc_scorings(target, paths: dict, e) -> list[tuple]:
+  """The MC-style scorings the eval block asks for: (report key, items, row length, tail)
+  for ARC-Easy and the cloze task, each as is and (`mc_tail` > 0) with the fair tail."""
+  from jakiro_jax.prune import evaluate as ev
+  from jakiro_jax.prune import tasks
+
+  tail = e.get("mc_tail", 0)
+  sets = []
+  if e.mc_items > 0:
+    sets.append(("mc", ev.read_mc(paths["mc"], e.mc_items), e.mc_length))
+  if e.get("cloze_items", 0) > 0:
+    sets.append(("cloze", tasks.cloze_items(
+        paths["cloze"], e.cloze_items, e.cloze_context_words, e.cloze_choice_words,
+        skip=e.cloze_skip, per_text=e.cloze_per_text), e.cloze_length))
+  out = []
+  for name, items, length in sets:
+    out.append((f"{name}_accuracy", items, length, 0))
+    if tail > 0:
+      out.append((f"{name}_fair_accuracy", items, length, tail))
+  return out
+
+
 def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "smollm2_s30",
              with_mc: bool = True) -> dict:
   """Evaluates `methods` (names of `ALL_METHODS`) at the router's budget: the router of
   `out_dir` (DIR/router, and DIR/router_hidden for ftp_hidden) or the shipped one named
   `shipped`. Returns the report (per method: articles, questions, greedy agreement,
-  decode sparsity, MC accuracy); `eval_table` formats it."""
+  decode sparsity, the accuracies of `MC_KEYS` and their retention vs dense, None where
+  not run; `with_mc` False skips them all); `eval_table` formats it."""
   import numpy as np
 
   from jakiro_jax.prune import assets, baselines, routers
@@ -233,12 +264,15 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
   reference, _ = ev.generate(target.params, tc, known["dense"], gen_tok, gen_len,
                              e.gen_tokens)
   _progress(start, "articles, questions and the dense greedy reference")
-  mc = {}
-  if with_mc:
-    items = ev.read_mc(paths["mc"], e.mc_items)
+  mc = {m.name: {} for m in chosen}
+  scorings = mc_scorings(target, paths, e) if with_mc else []
+  for key, items, length, tail in scorings:
+    rows = ev.mc_rows(target, items, length, tail)
+    gold = [item["gold"] for item in items]
     for m in chosen:
-      mc.update(ev.score_mc(target.params, tc, target, [m], items, e.mc_length, 16))
-      _progress(start, f"MC {m.name}: {mc[m.name]:.3f}")
+      scores = ev.mc_scores(target.params, tc, m, rows, 16)
+      mc[m.name][key] = ev.mc_accuracy(scores, rows.owner, gold)
+      _progress(start, f"{key} {m.name}: {mc[m.name][key]:.3f}")
   for m in chosen:
     tokens, keep = ev.generate(target.params, tc, m, gen_tok, gen_len, e.gen_tokens)
     _progress(start, f"greedy {m.name}")
@@ -247,32 +281,53 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
         "articles": art[m.name], "questions": que[m.name],
         "greedy": ev.greedy_agreement(reference, tokens),
         "decode_sparsity": float(1.0 - keep.mean()),
-        "mc_accuracy": mc.get(m.name)}
+        **{key: mc[m.name].get(key) for key, _ in MC_KEYS}}
   report["seconds"] = time.time() - start
-  dense_mc = mc.get("dense")
+  dense = mc.get("dense", {})
   for r in report["methods"].values():
-    acc = r["mc_accuracy"]
-    r["mc_retention"] = (acc / dense_mc) if (acc is not None and dense_mc) else None
+    for key, _ in MC_KEYS:
+      acc, ref = r[key], dense.get(key)
+      r[key.replace("_accuracy", "_retention")] = (acc / ref) if (acc is not None and ref
+                                                                  ) else None
+  run = {key: (len(items), tail) for key, items, _, tail in scorings}
   report["settings"] = {"articles": e.articles, "article_length": e.article_length,
                         "questions": len(q_tokens), "gen_prompts": e.gen_prompts,
-                        "gen_tokens": e.gen_tokens, "mc_items": e.mc_items if mc else 0}
+                        "gen_tokens": e.gen_tokens,
+                        "mc_items": run.get("mc_accuracy", (0,))[0],
+                        "mc_tail": max([t for _, t in run.values()], default=0),
+                        "cloze_items": run.get("cloze_accuracy", (0,))[0],
+                        "cloze_file": paths.get("cloze") if "cloze_accuracy" in run else None}
   return report
 
 
 def eval_table(report: dict) -> str:
-  """The evaluation report as the lines `launch.prune --mode=eval` prints."""
+  """The evaluation report as the lines `launch.prune --mode=eval` prints (an MC-style
+  column pair only where some method has it)."""
   s = report["settings"]
+  methods = report["methods"].values()
+  shown = [(key, head) for key, head in MC_KEYS
+           if any(r.get(key) is not None for r in methods)]
+  what = []
+  if s.get("mc_items"):
+    what.append(f"MC {s['mc_items']} ARC-Easy items")
+  if s.get("cloze_items"):
+    what.append(f"cloze {s['cloze_items']} items")
+  if what and s.get("mc_tail"):
+    what.append(f"fair = tail of {s['mc_tail']} tokens")
   lines = [f"{report['source']}: budget {report['budget']:.3f}, {s['articles']} articles x "
            f"{s['article_length']}, {s['questions']} questions, greedy {s['gen_prompts']} x "
-           f"{s['gen_tokens']}" + (f", MC {s['mc_items']} ARC-Easy items"
-                                   if s["mc_items"] else ""),
+           f"{s['gen_tokens']}" + "".join(f", {w}" for w in what),
            f"{'method':15s} {'spars':>6s} {'flops':>6s} {'ppl':>9s} {'KL':>7s} {'top1':>6s} "
-           f"{'KLlast':>7s} {'t1last':>6s} {'greedy':>6s} {'MC':>6s} {'retain':>6s}"]
+           f"{'KLlast':>7s} {'t1last':>6s} {'greedy':>6s}"
+           + "".join(f" {head:>7s} {'retain':>6s}" for _, head in (shown or MC_KEYS[:1]))]
   for name, r in report["methods"].items():
     a, q = r["articles"], r["questions"]
-    acc, retain = r["mc_accuracy"], r["mc_retention"]
-    lines.append(f"{name:15s} {a['sparsity']:6.3f} {a['flops_ratio']:6.3f} "
-                 f"{a['perplexity']:9.2f} {a['kl']:7.3f} {a['top1']:6.3f} "
-                 f"{q['kl_last']:7.3f} {q['top1_last']:6.3f} {r['greedy']['match']:6.3f} "
-                 + (f"{acc:6.3f} {retain:6.3f}" if acc is not None else "     -      -"))
+    line = (f"{name:15s} {a['sparsity']:6.3f} {a['flops_ratio']:6.3f} "
+            f"{a['perplexity']:9.2f} {a['kl']:7.3f} {a['top1']:6.3f} "
+            f"{q['kl_last']:7.3f} {q['top1_last']:6.3f} {r['greedy']['match']:6.3f}")
+    for key, _ in shown or MC_KEYS[:1]:
+      acc, retain = r.get(key), r.get(key.replace("_accuracy", "_retention"))
+      line += f" {acc:7.3f}" if acc is not None else "       -"
+      line += f" {retain:6.3f}" if retain is not None else "      -"
+    lines.append(line)
   return "\n".join(lines)

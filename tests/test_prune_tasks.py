@@ -1,0 +1,143 @@
+"""Cloze multiple choice built from natural text (`prune/tasks.py`), on synthetic .jsonl
+files whose words name their text and position, and scored by `evaluate.score_mc`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jakiro_jax.prune import evaluate as ev
+from jakiro_jax.prune import tasks
+from test_prompt_mix import SHARED
+from test_prune_eval import CharTarget
+from test_prune_model import random_params, tiny_config
+
+
+def words_of(text: int, num: int) -> list[str]:
+  return [f"t{text}w{k}" for k in range(num)]
+
+
+def write_texts(path, lengths) -> str:
+  with open(path, "w") as f:
+    for i, n in enumerate(lengths):
+      f.write(json.dumps({"question_id": i, "turns": [" ".join(words_of(i, n))]}) + "\n")
+  return str(path)
+
+
+def text_of(choice: str) -> int:
+  return int(choice.split()[0][1:].split("w")[0])
+
+
+def test_cloze_items_gold_is_the_continuation_and_distractors_other_texts(tmp_path):
+  path = write_texts(tmp_path / "a.jsonl", [30] * 12)
+  items = tasks.cloze_items(path, 6, context_words=10, choice_words=4, skip=2)
+  assert len(items) == 6 and [it["text"] for it in items] == [2, 3, 4, 5, 6, 7]
+  for item in items:
+    words = words_of(item["text"], 30)
+    assert item["query"] == " ".join(words[:10])
+    assert item["choices"][item["gold"]] == " ".join(words[10:14])
+    assert len(set(item["choices"])) == 4
+    for k, choice in enumerate(item["choices"]):
+      assert len(choice.split()) == 4
+      if k != item["gold"]:
+        # a passage's continuation in another text, never a skipped one
+        assert text_of(choice) not in (item["text"], 0, 1)
+        assert choice.split()[0].endswith("w10")
+  assert len({it["gold"] for it in items}) > 1  # the order is shuffled
+  # the same seed, the same items; another seed, other ones
+  assert tasks.cloze_items(path, 6, 10, 4, skip=2) == items
+  assert tasks.cloze_items(path, 6, 10, 4, skip=2, seed=1) != items
+  assert tasks.cloze_items(path, 6, 10, 4, skip=0)[0]["text"] == 0
+
+
+def test_cloze_items_windows_short_texts_and_errors(tmp_path):
+  path = write_texts(tmp_path / "a.jsonl", [30, 5, 50, 9, 14, 30])
+  # per_text: consecutive windows of 14 words (50 words hold 3)
+  items = tasks.cloze_items(path, 6, 10, 4, skip=0, per_text=3)
+  assert [it["text"] for it in items] == [0, 0, 2, 2, 2, 4]
+  assert items[3]["query"] == " ".join(words_of(2, 28)[14:24])
+  assert items[3]["choices"][items[3]["gold"]] == " ".join(words_of(2, 28)[24:28])
+  # min_words admits short texts: the context is the words before the last 4
+  items = tasks.cloze_items(path, 4, 10, 4, skip=0, min_words=9)
+  assert [it["text"] for it in items] == [0, 2, 3, 4]
+  assert items[2]["query"] == " ".join(words_of(3, 5))
+  assert items[2]["choices"][items[2]["gold"]] == " ".join(words_of(3, 9)[5:])
+  # too few texts for the items, or for the distractors
+  with pytest.raises(ValueError, match=r"3 usable texts \(of 6 rows, after skipping 1, "
+                     r"with >= 14 words\) give 3 items .* 4 needed"):
+    tasks.cloze_items(path, 4, 10, 4, skip=1, num_choices=3)
+  with pytest.raises(ValueError, match="3 usable texts.*4 needed for 3 distractors"):
+    tasks.cloze_items(path, 2, 10, 4, skip=1)
+  with pytest.raises(ValueError, match="min_words must be >= choice_words"):
+    tasks.cloze_items(path, 2, 10, 4, min_words=4)
+  with pytest.raises(FileNotFoundError, match="no such data file"):
+    tasks.cloze_items(str(tmp_path / "none.jsonl"), 2)
+
+
+def test_score_mc_scores_cloze_items_with_and_without_tail(tmp_path):
+  path = write_texts(tmp_path / "a.jsonl", [20] * 8)
+  items = tasks.cloze_items(path, 4, 3, 2, skip=0)
+  config = tiny_config()
+  params = random_params(config, seed=3)
+  dense = ev.Method("d", "dense")
+  rows = ev.mc_rows(CharTarget, items, 40)
+  assert (rows.ends <= 40).all() and rows.tokens.shape == (16, 40)
+  plain = ev.mc_scores(params, config, dense, rows, 8)
+  tailed = ev.mc_scores(params, config, dense, ev.mc_rows(CharTarget, items, 40, tail=24), 8)
+  np.testing.assert_allclose(tailed, plain, atol=1e-4)
+  assert np.isfinite(plain).all() and (plain < 0).all()
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(SHARED, "eval", "sum.jsonl")),
+                    reason=f"the shared data is not at {SHARED}")
+def test_the_evaluation_defaults_fit_the_article_file():
+  from configs import smollm2_135m_ftp
+  e = smollm2_135m_ftp.get_config().eval
+  items = tasks.cloze_items(os.path.join(SHARED, "eval", "sum.jsonl"), e.cloze_items,
+                            e.cloze_context_words, e.cloze_choice_words, skip=e.cloze_skip,
+                            per_text=e.cloze_per_text)
+  assert len(items) == e.cloze_items and min(it["text"] for it in items) == e.cloze_skip
+
+
+def test_eval_wiring_of_the_mc_scorings_and_their_table(tmp_path):
+  from configs import smollm2_135m_ftp
+  from jakiro_jax.prune import pipeline
+  config = smollm2_135m_ftp.get_config()
+  articles = write_texts(tmp_path / "a.jsonl", [40] * 12)
+  config.data.prompts = config.data.articles = articles
+  config.data.questions = (articles,)
+  paths = pipeline.data_paths(config)
+  assert paths["cloze"] == articles  # the cloze file defaults to the articles
+  e = config.eval
+  e.mc_items, e.cloze_items, e.cloze_per_text = 3, 4, 1
+  scorings = pipeline.mc_scorings(None, paths, e)
+  assert [(key, len(items), length, tail) for key, items, length, tail in scorings] == [
+      ("mc_accuracy", 3, e.mc_length, 0), ("mc_fair_accuracy", 3, e.mc_length, e.mc_tail),
+      ("cloze_accuracy", 4, e.cloze_length, 0),
+      ("cloze_fair_accuracy", 4, e.cloze_length, e.mc_tail)]
+  assert min(item["text"] for item in scorings[2][1]) == e.cloze_skip
+  e.mc_tail, e.cloze_items = 0, 0
+  assert [s[0] for s in pipeline.mc_scorings(None, paths, e)] == ["mc_accuracy"]
+  config.data.cloze = str(tmp_path / "none.jsonl")
+  with pytest.raises(FileNotFoundError, match="config.data.cloze: no such file"):
+    pipeline.data_paths(config)
+  # the table: a column pair per scoring some method has, "-" where one lacks it
+  stats = {"sparsity": 0.3, "flops_ratio": 0.7, "perplexity": 9.0, "kl": 0.5, "top1": 0.5,
+           "kl_last": 0.1, "top1_last": 0.9}
+  row = {"articles": stats, "questions": stats, "greedy": {"match": 0.5},
+         "mc_accuracy": 0.5, "mc_retention": 1.0, "mc_fair_accuracy": None,
+         "mc_fair_retention": None, "cloze_accuracy": 0.75, "cloze_retention": 1.0,
+         "cloze_fair_accuracy": None, "cloze_fair_retention": None}
+  report = {"source": "x", "budget": 0.3, "methods": {
+      "dense": row, "shortgpt": dict(row, cloze_fair_accuracy=0.25,
+                                     cloze_fair_retention=None)},
+      "settings": {"articles": 8, "article_length": 256, "questions": 16, "gen_prompts": 8,
+                   "gen_tokens": 32, "mc_items": 3, "mc_tail": 192, "cloze_items": 4}}
+  lines = pipeline.eval_table(report).splitlines()
+  assert lines[0].endswith("MC 3 ARC-Easy items, cloze 4 items, fair = tail of 192 tokens")
+  assert lines[1].split()[-6:] == ["MC", "retain", "cloze", "retain", "clzfair", "retain"]
+  assert lines[2].split()[-6:] == ["0.500", "1.000", "0.750", "1.000", "-", "-"]
+  assert lines[3].split()[-2:] == ["0.250", "-"]
