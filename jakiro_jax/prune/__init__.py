@@ -16,7 +16,8 @@ Modules:
   timing    dense vs pruned prefill wall clock
   evaluate  held-out perplexity, KL / top-1 vs dense, greedy-decode agreement, MC accuracy,
             achieved sparsity and FLOPs of a pruning method (`Method`, `compare`)
-  baselines ShortGPT block influence and the blocks it removes
+  baselines ShortGPT block influence and the blocks it removes; BlockPruner's sub-block
+            search; the models with them really removed
   search    genetic per-block schedule search under a global budget (resumable)
   train_router  router training (guide, sparsity and distillation losses; resumable)
   assets    shipped routers (`load_shipped`) and the MC subset
