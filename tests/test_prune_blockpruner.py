@@ -307,3 +307,24 @@ def test_eval_table_names_the_removed_sub_blocks():
   assert lines[-2] == "shortgpt removes blocks 3 4"
   assert lines[-1] == ("blockpruner removes attention 5 7; MLP 3 (FLOPs ratio 0.690 at the "
                        "calibration length)")
+
+
+def test_eval_keeps_the_search_in_the_run_directory(setup, tmp_path, monkeypatch):
+  import types
+
+  from jakiro_jax.prune import pipeline
+  config, params = setup
+  target = types.SimpleNamespace(params=params, config=config)
+  run = types.SimpleNamespace(seed=0, target="tiny")
+  calib = np.asarray(tokens_of(7, B, T))
+  first = pipeline.blockpruner_search(target, run, calib, 0.6, str(tmp_path))
+  assert (tmp_path / pipeline.BLOCKPRUNER_FILE).is_file()
+  assert first["calibration"] == {"rows": B, "length": T, "seed": 0, "target": "tiny"}
+  calls = []
+  real = baselines.blockpruner_removed
+  monkeypatch.setattr(baselines, "blockpruner_removed",
+                      lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+  assert pipeline.blockpruner_search(target, run, calib, 0.6, str(tmp_path)) == first
+  assert calls == []  # read back, not searched again
+  other = pipeline.blockpruner_search(target, run, calib, 0.3, str(tmp_path))
+  assert calls == [0.3] and other["budget"] == 0.3
