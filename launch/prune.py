@@ -17,9 +17,11 @@ train: trains the dynamic router under DIR/schedule.json (checkpoints in
 eval: held-out perplexity, KL / top-1 vs dense, greedy-32 agreement, MC accuracy (ARC-Easy
   and the cloze task, each as is and fair: config.eval.mc_tail), achieved sparsity and
   FLOPs ratio of FTP-dynamic, FTP-static (searched schedule), uniform-static,
-  random and ShortGPT at the router's budget, and FTP-hidden when
-  DIR/router_hidden/router.json exists; without --out_dir the shipped router (--shipped,
-  default smollm2_s30) and its schedule. Writes --json_out.
+  random and ShortGPT at the router's budget, and BlockPruner when --methods names it
+  (its sub-block search runs first, ~60 forwards of the calibration batch per removed
+  sub-block; with --out_dir its result is kept in DIR/blockpruner.json and reused), and
+  FTP-hidden when DIR/router_hidden/router.json exists; without --out_dir the shipped
+  router (--shipped, default smollm2_s30) and its schedule. Writes --json_out.
 
 Every mode is seeded and its runs resume where a killed one stopped.
 """
@@ -44,8 +46,9 @@ _OUT_DIR = flags.DEFINE_string("out_dir", None, "Run directory (search and train
 _SHIPPED = flags.DEFINE_string("shipped", "smollm2_s30", "eval without --out_dir: the "
                                "shipped router's name.")
 _METHODS = flags.DEFINE_list("methods", None, "eval: a subset of dense,ftp_dynamic,"
-                             "ftp_static,uniform_static,random,shortgpt,ftp_hidden (default "
-                             "all; ftp_hidden when DIR/router_hidden/router.json exists).")
+                             "ftp_static,uniform_static,random,shortgpt,blockpruner,"
+                             "ftp_hidden (default all but blockpruner; ftp_hidden when "
+                             "DIR/router_hidden/router.json exists).")
 _NO_MC = flags.DEFINE_bool("no_mc", False, "eval: skip every multiple-choice scoring "
                            "(ARC-Easy and cloze, as is and with the fair tail).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "eval: write the report here.")
@@ -62,14 +65,16 @@ def _check_config(config) -> None:
 
 
 def _eval_methods(out_dir) -> tuple[str, ...]:
-  """--methods, checked (default: all, ftp_hidden when DIR/router_hidden/router.json is
-  there)."""
+  """--methods, checked (default: all but blockpruner, whose search alone takes longer
+  than the rest of the evaluation on a CPU; ftp_hidden when DIR/router_hidden/router.json
+  is there)."""
   from jakiro_jax.prune import train_router as tr
 
   hidden_file = (os.path.join(out_dir, ROUTER_DIRS["hidden"], tr.ROUTER_FILE)
                  if out_dir else None)
   has_hidden = hidden_file is not None and os.path.isfile(hidden_file)
-  default = ALL_METHODS if has_hidden else tuple(m for m in ALL_METHODS if m != "ftp_hidden")
+  default = tuple(m for m in ALL_METHODS
+                  if m != "blockpruner" and (has_hidden or m != "ftp_hidden"))
   methods = tuple(_METHODS.value or default)
   unknown = [m for m in methods if m not in ALL_METHODS]
   if unknown:

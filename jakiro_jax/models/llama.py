@@ -240,25 +240,48 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
   """A pre-norm block. Token pruning (`jakiro_jax.prune`) passes `gate [B, T]`, which
   scales both residual updates (1: the dense block, exactly; 0: the token passes through
-  unchanged; a straight-through gate trains a router), and the attention's `write`,
-  `cache=None` and `return_probs` (`Attention`)."""
+  unchanged; a straight-through gate trains a router), or `gate [B, T, 2]` scaling the
+  attention update by `[..., 0]` and the MLP update by `[..., 1]` (sub-block pruning), and
+  the attention's `write`, `cache=None` and `return_probs` (`Attention`).
+
+  `attn_on=False` / `mlp_on=False` drop that sub-block from the layer (not computed: a
+  sub-block removed for every token). Without attention the layer writes no K/V, returns
+  the `cache` argument as given and None for the probs."""
   config: LlamaConfig
   layer: int
   input_norm: bool = True  # EAGLE-style drafts feed the first layer un-normalised
+  attn_on: bool = True
+  mlp_on: bool = True
 
   @nn.compact
   def __call__(self, x, positions, cache, mask, gate=None, write=None,
                return_probs: bool = False):
     cfg = self.config
-    scale = (lambda u: u) if gate is None else (lambda u: gate[..., None] * u)
-    h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="input_norm")(x) if self.input_norm else x
-    h, cache, *probs = Attention(cfg, self.layer, name="attn")(h, positions, cache, mask,
-                                                             write, return_probs)
-    x = x + scale(h)
-    h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_attention_norm")(x)
-    x = x + scale(MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, cfg.mlp_bias,
-                      name="mlp")(h))
-    return (x, cache, probs[0]) if return_probs else (x, cache)
+    attn_scale, mlp_scale = _update_scales(gate, x)
+    probs = None
+    if self.attn_on:
+      h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="input_norm")(x) if self.input_norm else x
+      h, cache, *probs = Attention(cfg, self.layer, name="attn")(h, positions, cache, mask,
+                                                               write, return_probs)
+      probs = probs[0] if return_probs else None
+      x = x + attn_scale(h)
+    if self.mlp_on:
+      h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_attention_norm")(x)
+      x = x + mlp_scale(MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype,
+                            cfg.mlp_bias, name="mlp")(h))
+    return (x, cache, probs) if return_probs else (x, cache)
+
+
+def _update_scales(gate, x):
+  """(attention, MLP) residual-update scalings of `DecoderLayer`'s `gate`: None, `[B, T]`
+  (both) or `[B, T, 2]` (each its own)."""
+  if gate is None:
+    return (lambda u: u), (lambda u: u)
+  if gate.ndim == x.ndim - 1:
+    return (lambda u: gate[..., None] * u), (lambda u: gate[..., None] * u)
+  if gate.ndim != x.ndim or gate.shape[-1] != 2:
+    raise ValueError(f"gate must be [B, T] or [B, T, 2] for x {x.shape}, got {gate.shape}")
+  return (lambda u: gate[..., 0, None] * u), (lambda u: gate[..., 1, None] * u)
 
 
 class Llama(nn.Module):

@@ -17,7 +17,8 @@ Modules:
   evaluate  held-out perplexity, KL / top-1 vs dense, greedy-decode agreement, MC accuracy
             (as is and with a fair tail), achieved sparsity and FLOPs of a pruning method
             (`Method`, `compare`)
-  baselines ShortGPT block influence and the blocks it removes
+  baselines ShortGPT block influence and the blocks it removes; BlockPruner's sub-block
+            search; the models with them really removed
   tasks     multiple-choice tasks from natural text (`cloze_items`) for `score_mc`
   search    genetic per-block schedule search under a global budget (resumable)
   train_router  router training (guide, sparsity and distillation losses; resumable)

@@ -5,8 +5,10 @@ Axis letters: B batch, T tokens, L layers (blocks), V vocab, N = L schedule entr
 A `Method` names how blocks pick their tokens: "dense"; "static" (position priority under a
 schedule); "dynamic" (the learnt router: top-k in prefill, p >= 0.5 in decode); "random"
 (seeded uniform selection of the same counts); "shortgpt" (whole blocks removed: every
-token skips them). Every method runs through `prune.model.forward` with traced inputs (a
-keep mask, or a schedule as arrays), so one compilation serves all schedules of a shape.
+token skips them); "blockpruner" (attention and MLP sub-blocks removed apart: every token
+skips them, `Decision.mlp_keep`). Every method runs through `prune.model.forward` with
+traced inputs (a keep mask, or a schedule as arrays), so one compilation serves all
+schedules of a shape.
 
 Metrics over right-padded rows `tokens [B, T]`, `lengths [B]` (positions past a row's
 length are ignored everywhere):
@@ -14,7 +16,8 @@ length are ignored everywhere):
   kl                 KL(dense || pruned) of the next-token distributions, all positions and
                      the last one (the row's next token after its text)
   top1               agreement of the argmax with the dense model's, all / last position
-  sparsity           mean over blocks of the skipped fraction of real tokens (from `keep`)
+  sparsity           mean over blocks of the skipped fraction of real tokens (from `keep`;
+                     sub-block pruning: mean over the 2 L attention and MLP sub-blocks)
   greedy agreement   first `num_new` greedy tokens of KV-cache decode vs the dense model's
   MC accuracy        log-likelihood multiple choice (`score_mc`)
 
@@ -38,11 +41,12 @@ from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.prune import model as pm
 from jakiro_jax.prune import routers
 from jakiro_jax.prune.cache import new_pruned_cache
-from jakiro_jax.prune.flops import block_flops, schedule_flops
+from jakiro_jax.prune.flops import block_flops, schedule_flops, sub_block_flops
 from jakiro_jax.prune.route import fixed_route
 from jakiro_jax.prune.schedule import check_schedule, mean_sparsity
 
-METHOD_KINDS = ("dense", "static", "dynamic", "random", "shortgpt")
+METHOD_KINDS = ("dense", "static", "dynamic", "random", "shortgpt", "blockpruner")
+BLOCK_KINDS = ("dense", "shortgpt", "blockpruner")  # decided per block, not per token
 
 
 # ---------------------------------------------------------------------------- text
@@ -117,14 +121,17 @@ def question_rows(target, paths: Sequence[str], per_file: int, length: int, pad_
 # --------------------------------------------------------------------------- methods
 
 class Method(NamedTuple):
-  """How the pruned model picks tokens. `schedule`: N floats (None for dense/shortgpt);
-  `router`: dynamic router params; `seed`: random baseline; `removed`: ShortGPT blocks."""
+  """How the pruned model picks tokens. `schedule`: N floats (None for the block kinds);
+  `router`: dynamic router params; `seed`: random baseline; `removed`: ShortGPT blocks;
+  `removed_attn` / `removed_mlp`: BlockPruner's removed attention / MLP sub-blocks."""
   name: str
   kind: str
   schedule: tuple[float, ...] | None = None
   router: Mapping[str, Any] | None = None
   seed: int = 0
   removed: tuple[int, ...] = ()
+  removed_attn: tuple[int, ...] = ()
+  removed_mlp: tuple[int, ...] = ()
 
 
 def check_method(method: Method, num_layers: int) -> None:
@@ -136,9 +143,18 @@ def check_method(method: Method, num_layers: int) -> None:
     check_schedule(method.schedule, num_layers)
   if method.kind == "dynamic" and method.router is None:
     raise ValueError(f"method {method.name!r} (dynamic) needs router params")
-  bad = [b for b in method.removed if not 0 <= b < num_layers]
-  if bad:
-    raise ValueError(f"method {method.name!r} removes blocks {bad} outside 0..{num_layers - 1}")
+  if method.kind == "blockpruner" and method.removed:
+    raise ValueError(f"method {method.name!r} (blockpruner) removes sub-blocks: give "
+                     "removed_attn / removed_mlp, not removed")
+  if method.kind != "blockpruner" and (method.removed_attn or method.removed_mlp):
+    raise ValueError(f"method {method.name!r} ({method.kind}) cannot remove sub-blocks "
+                     "(removed_attn / removed_mlp are BlockPruner's)")
+  for what, removed in (("blocks", method.removed), ("attention sub-blocks",
+                        method.removed_attn), ("MLP sub-blocks", method.removed_mlp)):
+    bad = [b for b in removed if not 0 <= b < num_layers]
+    if bad:
+      raise ValueError(f"method {method.name!r} removes {what} {bad} outside "
+                       f"0..{num_layers - 1}")
 
 
 def block_mask(num_layers: int, removed: Sequence[int]) -> np.ndarray:
@@ -148,21 +164,45 @@ def block_mask(num_layers: int, removed: Sequence[int]) -> np.ndarray:
   return keep
 
 
+def sub_block_masks(method: Method, num_layers: int) -> tuple[np.ndarray, np.ndarray | None]:
+  """(attention `[N]`, MLP `[N]` or None) bool, False at removed (sub-)blocks, of a block
+  method (dense, shortgpt, blockpruner); MLP None: each block kept or removed whole."""
+  if method.kind == "blockpruner":
+    return (block_mask(num_layers, method.removed_attn),
+            block_mask(num_layers, method.removed_mlp))
+  if method.kind not in ("dense", "shortgpt"):
+    raise ValueError(f"method {method.name!r} ({method.kind}) decides per token")
+  return block_mask(num_layers, method.removed), None
+
+
 def keep_mask(method: Method, num_layers: int, lengths: np.ndarray, num_tokens: int
               ) -> np.ndarray:
-  """Prefill keep mask `[B, L, T]` of a mask method (all but dynamic)."""
+  """Prefill keep mask `[B, L, T]` of a mask method (all but dynamic); BlockPruner: the
+  attention decisions (`mlp_keep_mask` the MLP's)."""
   lengths = np.asarray(lengths)
   real = np.arange(num_tokens)[None, :] < lengths[:, None]  # [B, T]
-  if method.kind == "dense":
-    return np.broadcast_to(real[:, None], (len(lengths), num_layers, num_tokens)).copy()
-  if method.kind == "shortgpt":
-    return real[:, None, :] & block_mask(num_layers, method.removed)[None, :, None]
+  if method.kind in BLOCK_KINDS:
+    return real[:, None, :] & sub_block_masks(method, num_layers)[0][None, :, None]
   if method.kind == "static":
     return routers.static_keep_mask(method.schedule, lengths, num_tokens)
   if method.kind == "random":
     rng = jax.random.PRNGKey(method.seed)
     return np.asarray(routers.random_keep_mask(rng, method.schedule, lengths, num_tokens))
   raise ValueError(f"method {method.name!r} ({method.kind}) has no fixed keep mask")
+
+
+def mlp_keep_mask(method: Method, num_layers: int, lengths: np.ndarray, num_tokens: int
+                  ) -> np.ndarray | None:
+  """Prefill MLP decisions `[B, L, T]` of sub-block pruning (BlockPruner), else None (the
+  keep mask decides whole blocks)."""
+  if method.kind != "blockpruner":
+    return None
+  real = np.arange(num_tokens)[None, :] < np.asarray(lengths)[:, None]
+  return real[:, None, :] & sub_block_masks(method, num_layers)[1][None, :, None]
+
+
+def _device_mask(mask: np.ndarray | None) -> jax.Array | None:
+  return None if mask is None else jnp.asarray(mask)
 
 
 def method_flops(config: LlamaConfig, method: Method, length: int) -> float:
@@ -172,6 +212,11 @@ def method_flops(config: LlamaConfig, method: Method, length: int) -> float:
   if method.kind == "shortgpt":
     dense = block_flops(config, length)["total"]
     return (config.num_layers - len(set(method.removed))) * dense / (config.num_layers * dense)
+  if method.kind == "blockpruner":
+    attn, mlp = sub_block_flops(config, length)
+    kept = ((config.num_layers - len(set(method.removed_attn))) * attn
+            + (config.num_layers - len(set(method.removed_mlp))) * mlp)
+    return kept / (config.num_layers * (attn + mlp))
   return schedule_flops(config, method.schedule, length)["ratio"]
 
 
@@ -184,15 +229,17 @@ def _positions(tokens: jax.Array) -> jax.Array:
 
 def pruned_forward(params, config: LlamaConfig, tokens: jax.Array, lengths: jax.Array,
                    keep: jax.Array | None = None, router=None, sparsity=None, counts=None,
-                   compute_logits: bool = True) -> pm.PrunedOutput:
-  """One prefill-style forward from an empty cache: by a keep mask `[B, L, T]`, or (keep
-  None) by the dynamic router in top-k mode with the schedule as arrays."""
+                   compute_logits: bool = True, mlp_keep: jax.Array | None = None
+                   ) -> pm.PrunedOutput:
+  """One prefill-style forward from an empty cache: by a keep mask `[B, L, T]` (with
+  `mlp_keep [B, L, T]`: sub-block pruning, keep deciding the attention), or (keep None) by
+  the dynamic router in top-k mode with the schedule as arrays."""
   batch, num = tokens.shape
   cache = new_pruned_cache(config, batch, num)
   if keep is None:
     route = routers.array_dynamic_route(router, sparsity, counts, "topk")
   else:
-    route = fixed_route(keep)
+    route = fixed_route(keep, mlp_keep=mlp_keep)
   return pm.forward(params, config, tokens, _positions(tokens), cache, route, lengths,
                     compute_logits)
 
@@ -227,23 +274,36 @@ def dense_logprobs(params, tokens, lengths, *, config: LlamaConfig) -> jax.Array
   return jax.nn.log_softmax(out.logits, axis=-1)
 
 
+def decisions(out: pm.PrunedOutput) -> jax.Array:
+  """The decisions taken: `keep [B, L, T]`, or with sub-block pruning `[B, L, T, 2]`
+  (attention, MLP)."""
+  if out.mlp_keep is None:
+    return out.keep
+  return jnp.stack([out.keep, out.mlp_keep], axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames=("config",))
-def compare_batch(params, router, sparsity, counts, keep, dense_logp, tokens, lengths, *,
-                  config: LlamaConfig) -> dict:
-  """`token_stats` of one batch plus the decisions `keep [B, L, T]`; `keep` None = the
-  dynamic router (router, sparsity `[N]`, counts `[N, T + 1]`)."""
-  out = pruned_forward(params, config, tokens, lengths, keep, router, sparsity, counts)
+def compare_batch(params, router, sparsity, counts, keep, dense_logp, tokens, lengths,
+                  mlp_keep=None, *, config: LlamaConfig) -> dict:
+  """`token_stats` of one batch plus the decisions `keep` (`decisions`); `keep` None =
+  the dynamic router (router, sparsity `[N]`, counts `[N, T + 1]`); `mlp_keep [B, L, T]`:
+  sub-block pruning."""
+  out = pruned_forward(params, config, tokens, lengths, keep, router, sparsity, counts,
+                       mlp_keep=mlp_keep)
   stats = token_stats(dense_logp, out.logits, tokens, lengths)
-  stats["keep"] = out.keep
+  stats["keep"] = decisions(out)
   return stats
 
 
 def achieved_sparsity(keep: np.ndarray, lengths: np.ndarray) -> float:
-  """Mean over blocks of the skipped fraction of real tokens: keep `[B, L, T]`, lengths
+  """Mean over blocks of the skipped fraction of real tokens: keep `[B, L, T]`, or
+  `[B, L, T, 2]` (attention and MLP sub-blocks, each counting as half a block), lengths
   `[B]` (padding never counts)."""
   keep = np.asarray(keep)
+  if keep.ndim == 3:
+    keep = keep[..., None]
   real = np.arange(keep.shape[2])[None, :] < np.asarray(lengths)[:, None]
-  kept = (keep & real[:, None, :]).sum(axis=(0, 2))  # [L]
+  kept = (keep & real[:, None, :, None]).sum(axis=(0, 2))  # [L, sub-blocks]
   return float(np.mean(1.0 - kept / real.sum()))
 
 
@@ -283,8 +343,9 @@ def compare(params, config: LlamaConfig, methods: Sequence[Method], tokens: np.n
       sparsity, counts = schedule_arrays(m, config.num_layers, num)
       keep = (None if m.kind == "dynamic"
               else jnp.asarray(keep_mask(m, config.num_layers, np.asarray(lens), num)))
+      mlp_keep = _device_mask(mlp_keep_mask(m, config.num_layers, np.asarray(lens), num))
       stats = jax.device_get(compare_batch(params, m.router, sparsity, counts, keep, dense,
-                                           tok, lens, config=config))
+                                           tok, lens, mlp_keep, config=config))
       s = sums[m.name]
       s["nll"] += float(stats["nll"][:rows].sum())
       s["kl"] += float(stats["kl"][:rows].sum())
@@ -306,7 +367,8 @@ def compare(params, config: LlamaConfig, methods: Sequence[Method], tokens: np.n
         "top1": s["top1"] / real, "top1_last": s["top1_last"] / num_rows,
         "sparsity": achieved_sparsity(keep, lengths),
         "budget": (mean_sparsity(m.schedule) if m.schedule is not None
-                   else len(m.removed) / config.num_layers),
+                   else (len(m.removed_attn) + len(m.removed_mlp)) / (2 * config.num_layers)
+                   if m.kind == "blockpruner" else len(m.removed) / config.num_layers),
         "flops_ratio": method_flops(config, m, num),
         "tokens": real,
     }
@@ -315,46 +377,51 @@ def compare(params, config: LlamaConfig, methods: Sequence[Method], tokens: np.n
 
 # --------------------------------------------------------------------------- greedy
 
-def _decode_route(kind: str, router, sparsity, counts, block_keep, rng):
+def _decode_route(kind: str, router, sparsity, counts, block_keep, rng, block_mlp_keep):
   if kind == "dynamic":
     return routers.array_dynamic_route(router, sparsity, counts, "threshold")
   if kind == "static":
     return routers.array_static_route(counts)
   if kind == "random":
     return routers.random_route(rng, sparsity)
-  return routers.block_route(block_keep)  # dense, shortgpt
+  return routers.block_route(block_keep, block_mlp_keep)  # dense, shortgpt, blockpruner
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kind", "num_new"))
 def greedy_generate(params, router, sparsity, counts, prefill_keep, block_keep, rng,
-                    prompt, lengths, *, config: LlamaConfig, kind: str, num_new: int):
+                    prompt, lengths, prefill_mlp_keep=None, block_mlp_keep=None, *,
+                    config: LlamaConfig, kind: str, num_new: int):
   """Greedy tokens `[B, num_new]` after right-padded prompts `[B, P]` (`lengths [B]`),
   KV-cache decode. Prefill: the keep mask `prefill_keep [B, L, P]` or (dynamic) the router
   in top-k mode; decode: dynamic p >= 0.5, static rule of `array_static_route` (counts
   `[N, P + num_new + 1]`), random per-token draw, or the block mask `block_keep [N]`.
-  Also returns the decode keep decisions `[B, L, num_new]` bool."""
+  Sub-block pruning: `prefill_mlp_keep [B, L, P]` and `block_mlp_keep [N]` decide the
+  MLPs (the keep masks then the attention). Also returns the decode decisions
+  `[B, L, num_new]` bool, `[B, L, num_new, 2]` (attention, MLP) with sub-block pruning."""
   batch, num_prompt = prompt.shape
   cache = new_pruned_cache(config, batch, num_prompt + num_new)
   if kind == "dynamic":
     route = routers.array_dynamic_route(router, sparsity, counts, "topk")
   else:
-    route = fixed_route(prefill_keep)
+    route = fixed_route(prefill_keep, mlp_keep=prefill_mlp_keep)
   logits, out = pm.prefill(params, config, prompt, cache, route, lengths)
-  decode = _decode_route(kind, router, sparsity, counts, block_keep, rng)
+  decode = _decode_route(kind, router, sparsity, counts, block_keep, rng, block_mlp_keep)
 
   def step(carry, _):
     cache, logits = carry
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits, out = pm.decode_step(params, config, token, cache, decode)
-    return (out.cache, logits), (token, out.keep[:, :, 0])
+    return (out.cache, logits), (token, decisions(out)[:, :, 0])
 
   _, (tokens, keeps) = jax.lax.scan(step, (out.cache, logits), None, length=num_new)
-  return tokens.T, jnp.transpose(keeps, (1, 2, 0))
+  return tokens.T, jnp.moveaxis(keeps, 0, 2)
 
 
 def generate(params, config: LlamaConfig, method: Method, prompt: np.ndarray,
              lengths: np.ndarray, num_new: int) -> tuple[np.ndarray, np.ndarray]:
-  """(greedy tokens `[B, num_new]`, decode keep `[B, L, num_new]`) of a method."""
+  """(greedy tokens `[B, num_new]`, decode decisions `[B, L, num_new]`, or
+  `[B, L, num_new, 2]` (attention, MLP) for BlockPruner) of a method; a block method
+  removes the same (sub-)blocks for every prompt and generated token."""
   check_method(method, config.num_layers)
   num_prompt = prompt.shape[1]
   sparsity, counts = schedule_arrays(method, config.num_layers, num_prompt + num_new)
@@ -362,12 +429,17 @@ def generate(params, config: LlamaConfig, method: Method, prompt: np.ndarray,
     prefill_keep = jnp.zeros((prompt.shape[0], config.num_layers, num_prompt), bool)
   else:
     prefill_keep = jnp.asarray(keep_mask(method, config.num_layers, lengths, num_prompt))
-  block_keep = jnp.asarray(block_mask(config.num_layers, method.removed))
+  prefill_mlp_keep = _device_mask(mlp_keep_mask(method, config.num_layers, lengths,
+                                                num_prompt))
+  if method.kind in BLOCK_KINDS:
+    block_keep, block_mlp_keep = map(_device_mask, sub_block_masks(method, config.num_layers))
+  else:
+    block_keep, block_mlp_keep = jnp.ones((config.num_layers,), bool), None
   kind = method.kind if method.kind in ("dynamic", "static", "random") else "block"
   tokens, keep = greedy_generate(
       params, method.router, sparsity, counts, prefill_keep, block_keep,
       jax.random.PRNGKey(method.seed + 1), jnp.asarray(prompt), jnp.asarray(lengths),
-      config=config, kind=kind, num_new=num_new)
+      prefill_mlp_keep, block_mlp_keep, config=config, kind=kind, num_new=num_new)
   return np.asarray(tokens), np.asarray(keep)
 
 
@@ -454,11 +526,13 @@ def mc_rows(target, items: Sequence[Mapping[str, Any]], length: int, tail: int =
 
 @functools.partial(jax.jit, static_argnames=("config", "width"))
 def continuation_logprob(params, router, sparsity, counts, keep, tokens, lengths, starts,
-                         ends, *, config: LlamaConfig, width: int) -> jax.Array:
+                         ends, mlp_keep=None, *, config: LlamaConfig, width: int
+                         ) -> jax.Array:
   """Summed log-probability `[B]` of tokens starts..ends-1 of each row (continuations of
-  at most `width` tokens); the row runs on to `lengths` (a tail) for the routers."""
+  at most `width` tokens); the row runs on to `lengths` (a tail) for the routers.
+  `mlp_keep [B, L, T]`: sub-block pruning."""
   out = pruned_forward(params, config, tokens, lengths, keep, router, sparsity, counts,
-                       compute_logits=False)
+                       compute_logits=False, mlp_keep=mlp_keep)
   # The lm_head only at the positions predicting a continuation token (most of a row is
   # the query): position p predicts token p + 1.
   p = starts[:, None] - 1 + jnp.arange(width)[None, :]  # [B, width]
@@ -494,9 +568,10 @@ def mc_scores(params, config: LlamaConfig, method: Method, rows: MCRows,
   for _, real, tok, lens, st, en in _mc_batches(rows, batch_size):
     keep = (None if method.kind == "dynamic"
             else jnp.asarray(keep_mask(method, config.num_layers, lens, num)))
+    mlp_keep = _device_mask(mlp_keep_mask(method, config.num_layers, lens, num))
     scores.append(np.asarray(continuation_logprob(
         params, method.router, sparsity, counts, keep, jnp.asarray(tok), jnp.asarray(lens),
-        jnp.asarray(st), jnp.asarray(en), config=config, width=width))[:real])
+        jnp.asarray(st), jnp.asarray(en), mlp_keep, config=config, width=width))[:real])
   return np.concatenate(scores)
 
 

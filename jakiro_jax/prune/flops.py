@@ -18,17 +18,28 @@ from jakiro_jax.prune.schedule import check_schedule, keep_counts
 
 
 def block_flops(config: LlamaConfig, kept: int, causal: bool = True) -> dict:
-  """FLOPs of one block computing `kept` tokens: {"linear", "attention", "total"}."""
+  """FLOPs of one block computing `kept` tokens: {"linear", "attention", "total"} and the
+  split of "linear" into "projections" (q/k/v and o) and "mlp" (gate, up, down)."""
   if kept < 0:
     raise ValueError(f"kept must be >= 0, got {kept}")
   d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
   kv, heads = config.num_kv_heads, config.num_heads
   projections = 2 * kept * d * kv * (config.queries_per_kv + 2) * hd + 2 * kept * heads * hd * d
-  linear = projections + 6 * kept * d * f
+  mlp = 6 * kept * d * f
+  linear = projections + mlp
   pairs = kept * (kept + 1) // 2 if causal else kept * kept
   attention = 4 * heads * hd * pairs
   return {"linear": float(linear), "attention": float(attention),
-          "total": float(linear + attention)}
+          "total": float(linear + attention), "projections": float(projections),
+          "mlp": float(mlp)}
+
+
+def sub_block_flops(config: LlamaConfig, kept: int, causal: bool = True) -> tuple:
+  """(attention sub-block, MLP sub-block) FLOPs of one block computing `kept` tokens: the
+  attention sub-block is its projections and the attention itself, the MLP its three
+  matmuls; they sum to `block_flops(...)["total"]`."""
+  b = block_flops(config, kept, causal)
+  return b["projections"] + b["attention"], b["mlp"]
 
 
 def head_flops(config: LlamaConfig, tokens: int = 1) -> float:

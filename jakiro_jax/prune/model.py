@@ -11,9 +11,11 @@ gets the normal pre-norm update with attention over the kept tokens only; a skip
 passes through the residual unchanged, is neither a query nor a key at block i, and writes
 no K/V at layer i (`PrunedCache.valid[i]` stays false at its slot). The update is
 multiplied by the decision's gate, so a straight-through gate `m + p - stop_gradient(p)`
-trains a router through the hard decision. Every token is computed and the decisions are
-masks: this is the training / evaluation path; `prune.prefill` gathers the kept tokens for
-real savings.
+trains a router through the hard decision. A decision with `mlp_keep` prunes sub-blocks
+(BlockPruner): `keep` then decides the token's attention (query, key, K/V write) and
+`mlp_keep` its MLP, each update gated on its own (`DecoderLayer`'s `gate [B, T, 2]`).
+Every token is computed and the decisions are masks: this is the training / evaluation
+path; `prune.prefill` gathers the kept tokens for real savings.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class PrunedOutput:
   cache: PrunedCache  # lengths not advanced: the caller commits
   keep: jax.Array  # [B, L, T] bool, the decisions taken
   prob: jax.Array | None  # [B, L, T] router keep probabilities (None without a router)
+  # [B, L, T] bool MLP decisions of sub-block pruning (`keep` is then the attention's);
+  # None when every block was decided whole
+  mlp_keep: jax.Array | None = None
 
 
 def _layer_params(params: Mapping[str, Any], layer: int) -> Mapping[str, Any]:
@@ -81,10 +86,13 @@ def received_attention(probs: jax.Array, query_weight: jax.Array) -> jax.Array:
 def _masked_block(layer_params, config: LlamaConfig, layer: int, x: jax.Array,
                   positions: jax.Array, decision: Decision, cache: PrunedCache):
   """One block over all T tokens with the decision as masks: the model's own
-  `DecoderLayer` with `gate` and `write`. Returns (x, cache)."""
+  `DecoderLayer` with `gate` and `write`; `decision.mlp_keep` gates the MLP update apart
+  (`gate [B, T, 2]`). Returns (x, cache)."""
   batch, num_new = x.shape[:2]
   keep = decision.keep
   gate = keep.astype(x.dtype) if decision.gate is None else decision.gate.astype(x.dtype)
+  if decision.mlp_keep is not None:
+    gate = jnp.stack([gate, decision.mlp_keep.astype(x.dtype)], axis=-1)
   rows = jnp.arange(batch)[:, None]
   slots = cache.write_slots(num_new)  # [B, T]
   # This call's slots are (re)marked, clearing stale bits of a reused slot; a skipped
@@ -151,7 +159,8 @@ def without_padding(decision: Decision, real: jax.Array) -> Decision:
   """Right padding is never computed: it would add its attention to the real keys'
   received sums and mark slots a later decode writes."""
   gate = None if decision.gate is None else jnp.where(real, decision.gate, 0)
-  return decision._replace(keep=decision.keep & real, gate=gate)
+  mlp_keep = None if decision.mlp_keep is None else decision.mlp_keep & real
+  return decision._replace(keep=decision.keep & real, gate=gate, mlp_keep=mlp_keep)
 
 
 def _stack_probs(probs: list) -> jax.Array | None:
@@ -177,7 +186,7 @@ def forward(params, config: LlamaConfig, tokens: jax.Array, positions: jax.Array
   slots, real, num_real, seq_len, in_seq = call_context(cache, positions, lengths)
   table = jnp.zeros((batch, cache.max_len), jnp.float32)
   x = embed(params, config, tokens)
-  keeps, probs, carry = [], [], None
+  keeps, mlp_keeps, probs, carry = [], [], [], None
   for i in range(config.num_layers):
     ctx = BlockContext(layer=i, positions=positions, slots=slots, real=real,
                        num_real=num_real, seq_len=seq_len, table=table, in_seq=in_seq,
@@ -192,11 +201,16 @@ def forward(params, config: LlamaConfig, tokens: jax.Array, positions: jax.Array
     # The router's f2 table: a slot's value comes from the latest block that computed it.
     table = jnp.where(cache.valid[i], cache.received[i], table)
     keeps.append(decision.keep)
+    mlp_keeps.append(decision.mlp_keep)
     probs.append(decision.prob)
   features = rms_norm(params["params"]["final_norm"], config, x)
   logits = logits_of(params, config, features) if compute_logits else None
+  mlp_keep = None
+  if any(m is not None for m in mlp_keeps):
+    mlp_keep = jnp.stack([k if m is None else m for k, m in zip(keeps, mlp_keeps)], axis=1)
   return PrunedOutput(logits=logits, features=features, cache=cache,
-                      keep=jnp.stack(keeps, axis=1), prob=_stack_probs(probs))
+                      keep=jnp.stack(keeps, axis=1), prob=_stack_probs(probs),
+                      mlp_keep=mlp_keep)
 
 
 def prefill(params, config: LlamaConfig, tokens: jax.Array, cache: PrunedCache, route,

@@ -13,7 +13,7 @@ import time
 from jakiro_jax.atomic_dir import write_json
 
 ALL_METHODS = ("dense", "ftp_dynamic", "ftp_static", "uniform_static", "random", "shortgpt",
-               "ftp_hidden")
+               "blockpruner", "ftp_hidden")
 METHOD_LABELS = {
     "dense": "dense",
     "ftp_dynamic": "FTP-dynamic (trained router, fine-tuned schedule)",
@@ -21,6 +21,7 @@ METHOD_LABELS = {
     "uniform_static": "uniform static",
     "random": "random token skipping",
     "shortgpt": "ShortGPT (whole blocks removed)",
+    "blockpruner": "BlockPruner (attention / MLP sub-blocks removed)",
     "ftp_hidden": "FTP-hidden (hidden-state router, searched schedule)",
 }
 ROUTER_DIRS = {"factors": "router", "hidden": "router_hidden"}
@@ -191,6 +192,41 @@ def mc_scorings(target, paths: dict, e) -> list[tuple]:
   return out
 
 
+BLOCKPRUNER_FILE = "blockpruner.json"
+
+
+def blockpruner_search(target, config, calib, budget: float, out_dir: str | None) -> dict:
+  """BlockPruner's removed sub-blocks at `budget` on the calibration rows `calib [R, T]`
+  (`baselines.BlockPrunerResult.as_record`, plus "budget" and "calibration"). With a run
+  directory the result is kept in DIR/blockpruner.json and reused while the budget and
+  the calibration settings match."""
+  import numpy as np
+
+  from jakiro_jax.prune import baselines
+
+  calibration = {"rows": int(calib.shape[0]), "length": int(calib.shape[1]),
+                 "seed": int(config.seed), "target": config.target}
+  path = os.path.join(out_dir, BLOCKPRUNER_FILE) if out_dir else None
+  if path and os.path.isfile(path):
+    try:
+      with open(path) as f:
+        record = json.load(f)
+      if record.get("budget") == budget and record.get("calibration") == calibration:
+        return record
+    except ValueError:
+      pass  # a corrupt file: search again and overwrite it
+  start = time.time()
+  result = baselines.blockpruner_removed(
+      target.params, target.config, calib, np.full(len(calib), calib.shape[1]), budget,
+      progress=lambda s: _progress(start, f"BlockPruner removes {s['sub_block']} "
+                                          f"{s['layer']}: ppl {s['perplexity']:.2f}, "
+                                          f"FLOPs removed {s['removed_flops']:.3f}"))
+  record = dict(result.as_record(), budget=budget, calibration=calibration)
+  if path:
+    write_json(path, record)
+  return record
+
+
 def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "smollm2_s30",
              with_mc: bool = True) -> dict:
   """Evaluates `methods` (names of `ALL_METHODS`) at the router's budget: the router of
@@ -246,6 +282,12 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
       "shortgpt": ev.Method("shortgpt", "shortgpt",
                             removed=baselines.shortgpt_removed(influence, budget)),
   }
+  blockpruner = None
+  if "blockpruner" in methods:
+    blockpruner = blockpruner_search(target, config, calib, budget, out_dir)
+    known["blockpruner"] = ev.Method("blockpruner", "blockpruner",
+                                     removed_attn=tuple(blockpruner["attention"]),
+                                     removed_mlp=tuple(blockpruner["mlp"]))
   if hidden_router is not None:
     known["ftp_hidden"] = ev.Method("ftp_hidden", "dynamic", hidden_schedule,
                                     router=hidden_router)
@@ -253,7 +295,8 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
   report = {"source": source, "budget": budget, "schedule": list(schedule),
             "searched_schedule": list(searched),
             "hidden_schedule": None if hidden_schedule is None else list(hidden_schedule),
-            "shortgpt_removed": list(known["shortgpt"].removed), "methods": {}}
+            "shortgpt_removed": list(known["shortgpt"].removed),
+            "blockpruner_removed": blockpruner, "methods": {}}
   start = time.time()
   articles = ev.article_rows(target, paths["articles"], e.articles, e.article_length)
   q_tokens, q_lengths = ev.question_rows(target, paths["questions"], e.questions_per_file,
@@ -330,4 +373,11 @@ def eval_table(report: dict) -> str:
       line += f" {acc:7.3f}" if acc is not None else "       -"
       line += f" {retain:6.3f}" if retain is not None else "      -"
     lines.append(line)
+  if "shortgpt" in report["methods"]:
+    lines.append(f"shortgpt removes blocks {' '.join(map(str, report['shortgpt_removed']))}")
+  bp = report.get("blockpruner_removed")
+  if bp and "blockpruner" in report["methods"]:
+    lines.append(f"blockpruner removes attention {' '.join(map(str, bp['attention']))}; "
+                 f"MLP {' '.join(map(str, bp['mlp']))} (FLOPs ratio "
+                 f"{bp['flops_ratio']:.3f} at the calibration length)")
   return "\n".join(lines)

@@ -114,6 +114,10 @@ def prefill_gathered(params, config: LlamaConfig, tokens: jax.Array, cache: Prun
                        num_real=num_real, seq_len=seq_len, table=table, in_seq=in_seq,
                        hidden=x)
     decision, carry = route(ctx, carry)
+    if decision.mlp_keep is not None:
+      raise ValueError(f"block {i}: the gathered prefill computes whole blocks on their "
+                       "kept tokens; a decision with mlp_keep (sub-block pruning) needs "
+                       "prune.model.forward")
     decision = without_padding(decision, real)
     gate = (decision.keep.astype(x.dtype) if decision.gate is None
             else decision.gate.astype(x.dtype))

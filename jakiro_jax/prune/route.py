@@ -37,21 +37,27 @@ class BlockContext:
 class Decision(NamedTuple):
   """keep `[B, T]` bool (hard); gate `[B, T]` float multiplying the block's update (None =
   keep as 0/1; a straight-through gate has keep's value and the router's gradient); prob
-  `[B, T]` the router's keep probability (None for routers without one)."""
+  `[B, T]` the router's keep probability (None for routers without one); mlp_keep `[B, T]`
+  bool, sub-block pruning: whether the token computes the block's MLP, `keep` then
+  deciding its attention only (None = the whole block by `keep` and `gate`)."""
   keep: jax.Array
   gate: jax.Array | None = None
   prob: jax.Array | None = None
+  mlp_keep: jax.Array | None = None
 
 
 Route = Callable[[BlockContext, Any], "tuple[Decision, Any]"]
 
 
-def fixed_route(keep: jax.Array, gate: jax.Array | None = None) -> Route:
-  """Replays given decisions: keep `[B, L, T]` bool, optional gate `[B, L, T]` float."""
+def fixed_route(keep: jax.Array, gate: jax.Array | None = None,
+                mlp_keep: jax.Array | None = None) -> Route:
+  """Replays given decisions: keep `[B, L, T]` bool, optional gate `[B, L, T]` float and
+  MLP decisions `mlp_keep [B, L, T]` bool (`Decision.mlp_keep`)."""
 
   def route(ctx: BlockContext, carry):
     g = None if gate is None else gate[:, ctx.layer]
-    return Decision(keep[:, ctx.layer], g), carry
+    m = None if mlp_keep is None else mlp_keep[:, ctx.layer]
+    return Decision(keep[:, ctx.layer], g, mlp_keep=m), carry
 
   return route
 

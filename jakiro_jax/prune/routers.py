@@ -383,12 +383,15 @@ def array_dynamic_route(router_params: Mapping[str, jax.Array], sparsity: jax.Ar
   return route
 
 
-def block_route(block_keep: jax.Array) -> Route:
+def block_route(block_keep: jax.Array, mlp_keep: jax.Array | None = None) -> Route:
   """Every real token computes block i iff `block_keep [N]` bool (ShortGPT removal: a
-  removed block is skipped by every token, which equals deleting it)."""
+  removed block is skipped by every token, which equals deleting it); with `mlp_keep [N]`
+  bool, `block_keep` decides the attention sub-blocks and `mlp_keep` the MLPs
+  (BlockPruner removal)."""
 
   def route(ctx: BlockContext, carry):
-    return Decision(ctx.real & block_keep[ctx.layer]), carry
+    mlp = None if mlp_keep is None else ctx.real & mlp_keep[ctx.layer]
+    return Decision(ctx.real & block_keep[ctx.layer], mlp_keep=mlp), carry
 
   return route
 

@@ -1,4 +1,6 @@
-"""Wall-clock comparison of dense and pruned prefill (one process, jitted, warmed up)."""
+"""Wall-clock comparison of dense and pruned prefill (one process, jitted, warmed up), and
+of the block-removal baselines made real: ShortGPT's model with fewer layers and
+BlockPruner's without its removed sub-blocks."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import numpy as np
 
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, new_cache
+from jakiro_jax.prune.baselines import remove_blocks, sub_block_prefill
 from jakiro_jax.prune.cache import new_pruned_cache
+from jakiro_jax.prune.evaluate import Method, method_flops
 from jakiro_jax.prune.flops import schedule_flops
 from jakiro_jax.prune.prefill import pruned_prefill_jit
 from jakiro_jax.prune.routers import init_router
@@ -28,6 +32,10 @@ def dense_prefill_jit(params, tokens: jax.Array, cache, *, config: LlamaConfig):
   return logits, cache
 
 
+blockpruner_prefill_jit = jax.jit(sub_block_prefill,
+                                  static_argnames=("config", "removed_attn", "removed_mlp"))
+
+
 def _median_s(fn, repeats: int, warmup: int) -> tuple[float, list[float]]:
   times = timed_runs(fn, repeats, warmup)
   return float(np.median(times)), times
@@ -35,10 +43,16 @@ def _median_s(fn, repeats: int, warmup: int) -> tuple[float, list[float]]:
 
 def time_prefill(params, config: LlamaConfig, length: int, schedule: Sequence[float],
                  batch: int = 1, repeats: int = 5, warmup: int = 1, router: str = "static",
-                 seed: int = 0) -> dict:
+                 seed: int = 0, shortgpt_removed: Sequence[int] | None = None,
+                 blockpruner_removed: tuple[Sequence[int], Sequence[int]] | None = None
+                 ) -> dict:
   """Median seconds of the dense prefill and the gathered pruned prefill of random
-  prompts `[batch, length]` under `schedule`, alternating the two per repeat so drifts in
-  machine speed hit both alike. Returns a JSON-able report."""
+  prompts `[batch, length]` under `schedule`, alternating them per repeat so drifts in
+  machine speed hit all alike. With `shortgpt_removed` (blocks) it also times the dense
+  prefill of the model without those blocks (`baselines.remove_blocks`), with
+  `blockpruner_removed` (attention blocks, MLP blocks) the prefill that skips those
+  sub-blocks (`baselines.sub_block_prefill`), in the same alternation. Returns a JSON-able
+  report."""
   schedule = check_schedule(schedule, config.num_layers)
   if length < 1 or batch < 1 or repeats < 1 or warmup < 0:
     raise ValueError("length, batch and repeats must be >= 1, warmup >= 0")
@@ -55,14 +69,36 @@ def time_prefill(params, config: LlamaConfig, length: int, schedule: Sequence[fl
     return pruned_prefill_jit(params, router_params, tokens, pruned_cache, config=config,
                               schedule=schedule, router=router)
 
-  for _ in range(warmup):  # compile both first
-    jax.block_until_ready(dense())
-    jax.block_until_ready(pruned())
-  dense_times, pruned_times = [], []
+  runs = {"dense": dense, "pruned": pruned}
+  baselines = {}
+  if shortgpt_removed is not None:
+    removed = tuple(sorted(set(int(b) for b in shortgpt_removed)))
+    small_params, small_config = remove_blocks(params, config, removed)
+    small_cache = new_cache(small_config, batch, length)
+    runs["shortgpt"] = lambda: dense_prefill_jit(small_params, tokens, small_cache,
+                                                 config=small_config)
+    baselines["shortgpt"] = {"removed": list(removed), "flops_ratio": method_flops(
+        config, Method("shortgpt", "shortgpt", removed=removed), length)}
+  if blockpruner_removed is not None:
+    attn, mlp = (tuple(sorted(set(int(b) for b in r))) for r in blockpruner_removed)
+    method = Method("blockpruner", "blockpruner", removed_attn=attn, removed_mlp=mlp)
+    runs["blockpruner"] = lambda: blockpruner_prefill_jit(
+        params, config, tokens, dense_cache, removed_attn=attn, removed_mlp=mlp)
+    baselines["blockpruner"] = {"removed_attn": list(attn), "removed_mlp": list(mlp),
+                                "flops_ratio": method_flops(config, method, length)}
+  for _ in range(warmup):  # compile every one first
+    for fn in runs.values():
+      jax.block_until_ready(fn())
+  times = {name: [] for name in runs}
   for _ in range(repeats):
-    dense_times.append(_median_s(dense, 1, 0)[0])
-    pruned_times.append(_median_s(pruned, 1, 0)[0])
-  dense_s, pruned_s = float(np.median(dense_times)), float(np.median(pruned_times))
+    for name, fn in runs.items():
+      times[name].append(_median_s(fn, 1, 0)[0])
+  medians = {name: float(np.median(t)) for name, t in times.items()}
+  dense_s, pruned_s = medians["dense"], medians["pruned"]
+  dense_times, pruned_times = times["dense"], times["pruned"]
+  for name, b in baselines.items():
+    b.update(seconds=medians[name], times_s=times[name],
+             speedup=dense_s / medians[name] if medians[name] > 0 else float("nan"))
   flops = schedule_flops(config, schedule, length)
   device = jax.devices()[0]
   return {
@@ -73,5 +109,5 @@ def time_prefill(params, config: LlamaConfig, length: int, schedule: Sequence[fl
       "dense_s": dense_s, "pruned_s": pruned_s,
       "speedup": dense_s / pruned_s if pruned_s > 0 else float("nan"),
       "dense_times_s": dense_times, "pruned_times_s": pruned_times,
-      "flops_ratio": flops["ratio"],
+      "flops_ratio": flops["ratio"], "baselines": baselines,
   }
