@@ -5,7 +5,10 @@ A genome is a schedule `s [N]` with `mean_i s_i = S` (the budget) and `s_i in [0
 is repaired by one shift and a clip (`repair`), found by bisection, so the budget holds to
 float precision. Fitness is any function schedule -> float (higher is better): with the
 static router, `kl_fitness` = -(mean KL(dense || pruned)) + w * top-1 agreement on a fixed
-calibration batch.
+calibration batch; `mc_fitness` = mean log-probability of the right choice among the
+choices of multiple-choice calibration items (the paper scores schedules by task accuracy;
+this is its smooth form); `weighted_fitness` sums several. `spearman` is the check that an
+objective ranks schedules as held-out accuracy does.
 
 Generation loop (`run_search`): evaluate the individuals without a fitness; record the
 best; unless it is the last generation, breed the next population: `elitism` best kept
@@ -273,3 +276,84 @@ def kl_fitness(params, config, tokens, lengths=None, agree_weight: float = 0.0,
     return -kl + agree_weight * top1
 
   return fitness
+
+
+def mc_fitness(params, config, rows, gold, batch_size: int = 16
+               ) -> Callable[[tuple[float, ...]], float]:
+  """Fitness of a schedule on multiple-choice calibration items, static router: the mean
+  over items of log softmax over its choices' summed continuation log-probabilities, at
+  the right choice (-log(4) at chance with 4 choices, 0 when sure and right).
+
+  rows: `evaluate.mc_rows` of the items (tokens `[R, T]`, lengths `[R]`, continuation
+  starts `[R]`, item of each row `[R]`); gold `[I]`: the right choice of each item. One
+  compilation serves every schedule (the keep mask is an array)."""
+  import jax.numpy as jnp
+
+  from jakiro_jax.prune import evaluate as ev
+  from jakiro_jax.prune import routers
+
+  tokens, lengths, starts, owner = (np.asarray(a) for a in rows)
+  gold = np.asarray(gold, np.int64)
+  num_items = len(gold)
+  if owner.max(initial=-1) + 1 != num_items:
+    raise ValueError(f"{num_items} gold answers for {owner.max(initial=-1) + 1} items")
+  if not np.all(np.diff(owner) >= 0):
+    raise ValueError("mc rows must be grouped by item (evaluate.mc_rows order)")
+  right = np.searchsorted(owner, np.arange(num_items)) + gold
+  width = int(-(-int(np.max(lengths - starts)) // 8) * 8)
+  num = tokens.shape[1]
+  pad = (-len(tokens)) % batch_size  # one batch shape: repeat the last row
+
+  def padded(a):
+    return np.concatenate([a, np.repeat(a[-1:], pad, 0)]) if pad else a
+
+  tok, lens, st = padded(tokens), padded(lengths), padded(starts)
+  dummy = jnp.zeros((config.num_layers,), jnp.float32)
+  counts = jnp.zeros((config.num_layers, num + 1), jnp.int32)
+
+  def fitness(schedule: tuple[float, ...]) -> float:
+    keep = routers.static_keep_mask(schedule, lens, num)
+    scores = []
+    for start in range(0, len(tok), batch_size):
+      part = slice(start, start + batch_size)
+      scores.append(np.asarray(ev.continuation_logprob(
+          params, None, dummy, counts, jnp.asarray(keep[part]), jnp.asarray(tok[part]),
+          jnp.asarray(lens[part]), jnp.asarray(st[part]), config=config, width=width)))
+    scores = np.concatenate(scores)[:len(tokens)].astype(np.float64)
+    right_lp = [scores[right[i]] - np.logaddexp.reduce(scores[owner == i])
+                for i in range(num_items)]
+    return float(np.mean(right_lp))
+
+  return fitness
+
+
+def weighted_fitness(parts: Sequence[tuple[float, Callable[[tuple[float, ...]], float]]]
+                     ) -> Callable[[tuple[float, ...]], float]:
+  """sum_j w_j f_j(schedule) of (weight, fitness) pairs (a weight 0 skips its call)."""
+  parts = [(float(w), f) for w, f in parts if float(w) != 0.0]
+  if not parts:
+    raise ValueError("a weighted fitness needs at least one non-zero weight")
+  return lambda schedule: sum(w * f(schedule) for w, f in parts)
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+  """Spearman rank correlation of two equally long sequences (ties take their mean
+  rank); NaN when either is constant."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  if x.shape != y.shape or x.ndim != 1 or len(x) < 2:
+    raise ValueError(f"spearman needs two 1-D sequences of the same length >= 2, got "
+                     f"{x.shape} and {y.shape}")
+
+  def ranks(v):
+    order = np.argsort(v, kind="stable")
+    r = np.empty(len(v))
+    r[order] = np.arange(len(v), dtype=np.float64)
+    for value in np.unique(v):  # ties: the mean of their ranks
+      same = v == value
+      r[same] = r[same].mean()
+    return r
+
+  rx, ry = ranks(x), ranks(y)
+  if rx.std() == 0 or ry.std() == 0:
+    return float("nan")
+  return float(np.corrcoef(rx, ry)[0, 1])
