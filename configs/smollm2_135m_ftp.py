@@ -36,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.calib_length = 128
 
   # The search's objective: kl_weight x -KL(dense || pruned) on the calibration rows +
-  # mc_weight x log-probability of the right choice on cloze items of data.prompts
+  # mc_weight x probability of the right choice on cloze items of data.prompts
   # (disjoint from every evaluation set; `pipeline.calibration_items`).
   c.objective = ml_collections.ConfigDict(dict(
       kl_weight=1.0, mc_weight=0.0, mc_items=64, mc_length=64, mc_context_words=30,

@@ -108,7 +108,7 @@ def test_kl_fitness_on_a_tiny_model():
   assert fitness((0.0, 0.5, 0.7)) == fitness((0.0, 0.5, 0.7))  # deterministic
 
 
-def test_mc_fitness_is_the_right_choice_log_probability():
+def test_mc_fitness_is_the_right_choice_probability():
   config = tiny_config()
   params = random_params(config, seed=5)
   # 3 items with 2, 3 and 2 choices: rows grouped by item, continuations at the end.
@@ -128,17 +128,17 @@ def test_mc_fitness_is_the_right_choice_log_probability():
     lp = np.asarray(ev.continuation_logprob(
         params, None, jnp.zeros(3), jnp.zeros((3, 13), jnp.int32), jnp.asarray(keep),
         jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(starts), config=config,
-        width=8), np.float64)
+        width=8), np.float64) / (lengths - starts)  # per-token means
     out = []
     for i, g in enumerate(gold):
       s = lp[owner == i]
-      out.append(s[g] - np.log(np.exp(s).sum()))
+      out.append(np.exp(s[g]) / np.exp(s).sum())
     return np.mean(out)
 
   for schedule in [(0.0, 0.0, 0.0), (0.0, 0.5, 0.7)]:
     assert fitness(schedule) == pytest.approx(by_hand(schedule), abs=1e-5)
   assert fitness((0.0, 0.5, 0.7)) != pytest.approx(fitness((0.0, 0.0, 0.0)), abs=1e-6)
-  assert fitness((0.0, 0.0, 0.0)) < 0.0
+  assert 0.0 < fitness((0.0, 0.0, 0.0)) < 1.0
   with pytest.raises(ValueError, match="3 gold answers for 2 items"):
     search.mc_fitness(params, config, (tokens[:5], lengths[:5], starts[:5], owner[:5]),
                       gold)

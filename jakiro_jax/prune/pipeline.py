@@ -77,7 +77,7 @@ def calibration_items(target, config, paths):
 def objective_parts(target, config, paths, all_terms: bool = False) -> dict:
   """{name: (weight, fitness)} of the search objective's terms (config.objective): "kl"
   = -KL(dense || pruned) (+ agree_weight x top-1) over the calibration rows, "mc" = the
-  log-probability of the right choice on the calibration items (`search.mc_fitness`).
+  probability of the right choice on the calibration items (`search.mc_fitness`).
   all_terms: every term, weight 0 or not (to score schedules by each)."""
   from jakiro_jax.prune import evaluate as ev
   from jakiro_jax.prune import search

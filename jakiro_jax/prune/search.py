@@ -281,8 +281,11 @@ def kl_fitness(params, config, tokens, lengths=None, agree_weight: float = 0.0,
 def mc_fitness(params, config, rows, gold, batch_size: int = 16
                ) -> Callable[[tuple[float, ...]], float]:
   """Fitness of a schedule on multiple-choice calibration items, static router: the mean
-  over items of log softmax over its choices' summed continuation log-probabilities, at
-  the right choice (-log(4) at chance with 4 choices, 0 when sure and right).
+  over items of the right choice's probability under a softmax over the choices' mean
+  per-token continuation log-probabilities (a smooth accuracy: 1/4 at chance with 4
+  choices, 1 when sure and right). Per-token means, because summed log-probabilities of
+  choices that differ by tens of nats make the softmax a hard accuracy; probabilities,
+  because a mean of log-probabilities is ruled by a few confidently wrong items.
 
   rows: `evaluate.mc_rows` of the items (tokens `[R, T]`, lengths `[R]`, continuation
   starts `[R]`, item of each row `[R]`); gold `[I]`: the right choice of each item. One
@@ -300,6 +303,7 @@ def mc_fitness(params, config, rows, gold, batch_size: int = 16
   if not np.all(np.diff(owner) >= 0):
     raise ValueError("mc rows must be grouped by item (evaluate.mc_rows order)")
   right = np.searchsorted(owner, np.arange(num_items)) + gold
+  widths = np.maximum(lengths - starts, 1).astype(np.float64)  # scored tokens per row
   width = int(-(-int(np.max(lengths - starts)) // 8) * 8)
   num = tokens.shape[1]
   pad = (-len(tokens)) % batch_size  # one batch shape: repeat the last row
@@ -319,10 +323,10 @@ def mc_fitness(params, config, rows, gold, batch_size: int = 16
       scores.append(np.asarray(ev.continuation_logprob(
           params, None, dummy, counts, jnp.asarray(keep[part]), jnp.asarray(tok[part]),
           jnp.asarray(lens[part]), jnp.asarray(st[part]), config=config, width=width)))
-    scores = np.concatenate(scores)[:len(tokens)].astype(np.float64)
-    right_lp = [scores[right[i]] - np.logaddexp.reduce(scores[owner == i])
-                for i in range(num_items)]
-    return float(np.mean(right_lp))
+    scores = np.concatenate(scores)[:len(tokens)].astype(np.float64) / widths
+    right_p = [np.exp(scores[right[i]] - np.logaddexp.reduce(scores[owner == i]))
+               for i in range(num_items)]
+    return float(np.mean(right_p))
 
   return fitness
 
