@@ -114,7 +114,7 @@ def main(argv):
     target = pipeline.target_of(config)
     named = pipeline.named_schedules(_SCHEDULES.value, config, target, paths)
     report = pipeline.rank_schedules(config, target, paths, named, _RANDOM_SCHEDULES.value,
-                                     config.eval.mc_items)
+                                     config.eval.mc_items, save_path=_JSON_OUT.value)
     print("Spearman rank correlation with held-out MC accuracy over "
           f"{len(report['schedules'])} schedules: " +
           ", ".join(f"{k} {v:+.3f}" for k, v in report["spearman"].items()))

@@ -160,13 +160,16 @@ def named_schedules(specs, config, target, paths) -> dict:
 
 
 def rank_schedules(config, target, paths, named: dict, random_count: int = 0,
-                   mc_items: int = 200, progress=print) -> dict:
+                   mc_items: int = 200, progress=print, save_path: str | None = None
+                   ) -> dict:
   """How well each objective term predicts held-out accuracy: every schedule of `named`
   ({label: schedule}) plus `random_count` seeded random ones (repaired Gaussian noise of
   std 0.15 around uniform) scored by each term of the objective and by held-out
   multiple choice (the first `mc_items` ARC-Easy items, static router); the Spearman rank
   correlation of each term with the held-out accuracy over the schedules. Returns
-  {"schedules": {label: {"schedule", term: value, "mc_accuracy"}}, "spearman": {term: r}}."""
+  {"schedules": {label: {"schedule", term: value, "mc_accuracy"}}, "spearman": {term: r}}.
+  save_path: the report so far is written there after every schedule, and a rerun with
+  the same objective and items takes the rows it holds for the same schedules."""
   import numpy as np
 
   from jakiro_jax.prune import evaluate as ev
@@ -182,8 +185,20 @@ def rank_schedules(config, target, paths, named: dict, random_count: int = 0,
         noisy, config.budget, settings.s_max, settings.dense_first))
   parts = objective_parts(target, config, paths, all_terms=True)
   items = ev.read_mc(paths["mc"], mc_items)
+  settings = {"objective": config.objective.to_dict(), "mc_items": len(items),
+              "calib_rows": config.calib_rows, "calib_length": config.calib_length,
+              "budget": config.budget}
+  done = {}
+  if save_path and os.path.isfile(save_path):
+    with open(save_path) as f:
+      saved = json.load(f)
+    if saved.get("settings") == settings:
+      done = saved.get("schedules", {})
   out = {}
   for label, schedule in named.items():
+    if label in done and done[label]["schedule"] == list(schedule):
+      out[label] = done[label]
+      continue
     row = {"schedule": list(schedule)}
     for term, (_, f) in parts.items():
       row[term] = f(tuple(schedule))
@@ -193,10 +208,11 @@ def rank_schedules(config, target, paths, named: dict, random_count: int = 0,
     out[label] = row
     progress(f"{label}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items()
                                        if k != "schedule"))
+    if save_path:
+      write_json(save_path, {"settings": settings, "schedules": out})
   held = [r["mc_accuracy"] for r in out.values()]
   corr = {term: search.spearman([r[term] for r in out.values()], held) for term in parts}
-  return {"schedules": out, "spearman": corr, "mc_items": len(items),
-          "objective": config.objective.to_dict()}
+  return {"settings": settings, "schedules": out, "spearman": corr}
 
 
 def read_schedule(out_dir) -> tuple:
