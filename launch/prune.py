@@ -14,6 +14,9 @@ train: trains the dynamic router under DIR/schedule.json (checkpoints in
   --config.router.inputs=hidden trains the input ablation instead: the hidden-state router
   (D -> 64 -> 1 on the residual stream entering each block) in DIR/router_hidden/, on the
   searched schedule (no fine-tune); DIR/router/ is left as it is.
+rank: scores --schedules (and --random_schedules random ones) by each term of the search
+  objective (config.objective) and by held-out ARC-Easy MC (config.eval.mc_items), and
+  prints the Spearman rank correlation of each term with the held-out accuracy.
 eval: held-out perplexity, KL / top-1 vs dense, greedy-32 agreement, MC accuracy (ARC-Easy
   and the cloze task, each as is and fair: config.eval.mc_tail), achieved sparsity and
   FLOPs ratio of FTP-dynamic, FTP-static (searched schedule), uniform-static,
@@ -40,7 +43,7 @@ from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m_ftp.py",
                                           "FTP config file.", lock_config=True)
-_MODE = flags.DEFINE_enum("mode", None, ["search", "train", "eval"], "What to run.")
+_MODE = flags.DEFINE_enum("mode", None, ["search", "train", "eval", "rank"], "What to run.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Run directory (search and train: "
                                "required; eval: the router to evaluate, default shipped).")
 _SHIPPED = flags.DEFINE_string("shipped", "smollm2_s30", "eval without --out_dir: the "
@@ -51,12 +54,23 @@ _METHODS = flags.DEFINE_list("methods", None, "eval: a subset of dense,ftp_dynam
                              "DIR/router_hidden/router.json exists).")
 _NO_MC = flags.DEFINE_bool("no_mc", False, "eval: skip every multiple-choice scoring "
                            "(ARC-Easy and cloze, as is and with the fair tail).")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "eval: write the report here.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "eval, rank: write the report here.")
+_SCHEDULES = flags.DEFINE_list("schedules", ["uniform", "influence"], "rank: schedules to "
+                               "score: uniform, influence, a shipped name or a schedule.json "
+                               "/ router.json path.")
+_RANDOM_SCHEDULES = flags.DEFINE_integer("random_schedules", 4, "rank: also this many "
+                                         "seeded random schedules at the budget.")
 
 def _check_config(config) -> None:
   from jakiro_jax.prune.schedule import check_budget
   check_budget(config.budget)
   cli.require_positive(calib_rows=config.calib_rows, calib_length=config.calib_length)
+  o = config.objective
+  if o.kl_weight < 0 or o.mc_weight < 0 or o.kl_weight + o.mc_weight == 0:
+    raise app.UsageError(f"--config.objective weights must be >= 0 and not both 0, got "
+                         f"kl_weight {o.kl_weight}, mc_weight {o.mc_weight}")
+  cli.require_positive(**{f"config.objective.{k}": o[k] for k in (
+      "mc_items", "mc_length", "mc_context_words", "mc_choice_words")})
   from jakiro_jax.prune.routers import ROUTER_INPUT_KINDS
   inputs = config.router.get("inputs", "factors")
   if inputs not in ROUTER_INPUT_KINDS:
@@ -103,6 +117,16 @@ def main(argv):
     pipeline.run_search(config, _OUT_DIR.value, paths)
   elif _MODE.value == "train":
     pipeline.run_train(config, _OUT_DIR.value, paths)
+  elif _MODE.value == "rank":
+    target = pipeline.target_of(config)
+    named = pipeline.named_schedules(_SCHEDULES.value, config, target, paths)
+    report = pipeline.rank_schedules(config, target, paths, named, _RANDOM_SCHEDULES.value,
+                                     config.eval.mc_items, save_path=_JSON_OUT.value)
+    print("Spearman rank correlation with held-out MC accuracy over "
+          f"{len(report['schedules'])} schedules: " +
+          ", ".join(f"{k} {v:+.3f}" for k, v in report["spearman"].items()))
+    if _JSON_OUT.value:
+      write_json(_JSON_OUT.value, report)
   else:
     report = pipeline.run_eval(config, _OUT_DIR.value, paths, methods, _SHIPPED.value,
                                with_mc=not _NO_MC.value)

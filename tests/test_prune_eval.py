@@ -148,6 +148,15 @@ def test_cli_bad_input_is_one_line():
       "error: --mode=train needs --out_dir")
 
 
+def test_cli_checks_the_search_objective(tmp_path):
+  out = _cli("--mode=search", f"--out_dir={tmp_path}", "--config.objective.kl_weight=0")
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      "error: --config.objective weights must be >= 0 and not both 0, got kl_weight 0.0, "
+      "mc_weight 0.0")
+  out = _cli("--mode=rank", "--config.objective.mc_items=0")
+  assert out.returncode == 2 and "mc_items" in out.stderr.strip().splitlines()[-1]
+
+
 def test_cli_checks_the_router_inputs(tmp_path):
   out = _cli("--mode=train", f"--out_dir={tmp_path}", "--config.router.inputs=both")
   assert out.returncode == 2 and "Traceback" not in out.stderr

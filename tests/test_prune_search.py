@@ -106,3 +106,64 @@ def test_kl_fitness_on_a_tiny_model():
   assert fitness((0.0, 0.0, 0.0)) == pytest.approx(0.5, abs=1e-5)  # KL 0, agreement 1
   assert fitness((0.0, 0.5, 0.7)) < 0.5 - 1e-3
   assert fitness((0.0, 0.5, 0.7)) == fitness((0.0, 0.5, 0.7))  # deterministic
+
+
+def test_mc_fitness_is_the_right_choice_probability():
+  config = tiny_config()
+  params = random_params(config, seed=5)
+  # 3 items with 2, 3 and 2 choices: rows grouped by item, continuations at the end.
+  rng = np.random.default_rng(0)
+  owner = np.array([0, 0, 1, 1, 1, 2, 2])
+  lengths = np.array([10, 9, 12, 11, 12, 8, 10])
+  starts = lengths - np.array([2, 1, 3, 2, 2, 1, 3])
+  tokens = rng.integers(1, config.vocab_size, (7, 12)).astype(np.int32)
+  gold = np.array([1, 2, 0])
+  from jakiro_jax.prune import evaluate as ev
+  import jax.numpy as jnp
+  rows = ev.MCRows(tokens, lengths, starts, lengths.copy(), owner)
+  fitness = search.mc_fitness(params, config, rows, gold, batch_size=4)
+
+  def by_hand(schedule):
+    keep = ev.keep_mask(ev.Method("s", "static", schedule), config.num_layers, lengths, 12)
+    lp = np.asarray(ev.continuation_logprob(
+        params, None, jnp.zeros(3), jnp.zeros((3, 13), jnp.int32), jnp.asarray(keep),
+        jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(starts),
+        jnp.asarray(lengths), config=config, width=8), np.float64) / (lengths - starts)  # per-token means
+    out = []
+    for i, g in enumerate(gold):
+      s = lp[owner == i]
+      out.append(np.exp(s[g]) / np.exp(s).sum())
+    return np.mean(out)
+
+  for schedule in [(0.0, 0.0, 0.0), (0.0, 0.5, 0.7)]:
+    assert fitness(schedule) == pytest.approx(by_hand(schedule), abs=1e-5)
+  assert fitness((0.0, 0.5, 0.7)) != pytest.approx(fitness((0.0, 0.0, 0.0)), abs=1e-6)
+  assert 0.0 < fitness((0.0, 0.0, 0.0)) < 1.0
+  with pytest.raises(ValueError, match="3 gold answers for 2 items"):
+    search.mc_fitness(params, config, ev.MCRows(*(a[:5] for a in rows)), gold)
+
+
+def test_weighted_fitness_and_spearman():
+  f = search.weighted_fitness([(2.0, lambda s: s[0]), (0.0, lambda s: 1 / 0),
+                               (-1.0, lambda s: s[1])])
+  assert f((3.0, 1.0)) == 5.0
+  with pytest.raises(ValueError, match="non-zero weight"):
+    search.weighted_fitness([(0.0, toy_fitness)])
+  assert search.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+  assert search.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+  # ties take their mean rank: ranks (0.5, 0.5, 2) and (0, 1, 2)
+  assert search.spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(np.corrcoef(
+      [0.5, 0.5, 2], [0, 1, 2])[0, 1])
+  assert np.isnan(search.spearman([1, 1, 1], [1, 2, 3]))
+  with pytest.raises(ValueError, match="same length"):
+    search.spearman([1, 2], [1, 2, 3])
+
+
+def test_search_never_ends_below_its_seeds():
+  # The best of the seeded population is carried by elitism: the result is at least as
+  # good as every seed, on the objective searched.
+  seeds = [search.uniform_genome(N, BUDGET, SETTINGS),
+           search.influence_genome(np.linspace(1.0, 0.1, N), BUDGET, SETTINGS)]
+  out = search.run_search(toy_fitness, N, BUDGET, SETTINGS, seeds=seeds, progress=False)
+  assert out["fitness"] >= max(toy_fitness(tuple(s)) for s in seeds)
+  assert out["history"][0] >= max(toy_fitness(tuple(s)) for s in seeds)

@@ -73,6 +73,38 @@ def _ga_settings(config, block, **over):
   return GASettings(**values)
 
 
+def calibration_items(target, config, paths):
+  """Multiple-choice calibration items of the search's objective: cloze items of the
+  training prompts (`data.prompts`), disjoint from every evaluation set."""
+  from jakiro_jax.prune import tasks
+  o = config.objective
+  return tasks.cloze_items(paths["prompts"], o.mc_items, context_words=o.mc_context_words,
+                           choice_words=o.mc_choice_words, seed=config.seed,
+                           min_words=o.mc_context_words + o.mc_choice_words, skip=0)
+
+
+def objective_parts(target, config, paths, all_terms: bool = False) -> dict:
+  """{name: (weight, fitness)} of the search objective's terms (config.objective): "kl"
+  = -KL(dense || pruned) (+ agree_weight x top-1) over the calibration rows, "mc" = the
+  probability of the right choice on the calibration items (`search.mc_fitness`).
+  all_terms: every term, weight 0 or not (to score schedules by each)."""
+  from jakiro_jax.prune import evaluate as ev
+  from jakiro_jax.prune import search
+
+  o = config.objective
+  parts = {}
+  tokens = _calibration(target, config, paths, config.calib_rows, config.calib_length,
+                        config.seed)
+  parts["kl"] = (o.kl_weight, search.kl_fitness(target.params, target.config, tokens,
+                                                agree_weight=config.ga.agree_weight))
+  if o.mc_weight or all_terms:
+    items = calibration_items(target, config, paths)
+    rows = ev.mc_rows(target, items, o.mc_length)
+    gold = [item["gold"] for item in items]
+    parts["mc"] = (o.mc_weight, search.mc_fitness(target.params, target.config, rows, gold))
+  return parts
+
+
 def run_search(config, out_dir, paths) -> None:
   import numpy as np
 
@@ -85,22 +117,111 @@ def run_search(config, out_dir, paths) -> None:
                                         np.full(len(tokens), tokens.shape[1]))
   settings = _ga_settings(config, config.ga)
   n = target.config.num_layers
+  # Uniform and BI-proportional start the population: elitism carries the best of them,
+  # so the result is never below either on the objective.
   seeds = [search.uniform_genome(n, config.budget, settings),
            search.influence_genome(influence, config.budget, settings)]
-  fitness = search.kl_fitness(target.params, target.config, tokens,
-                              agree_weight=config.ga.agree_weight)
+  parts = objective_parts(target, config, paths)
+  fitness = search.weighted_fitness(list(parts.values()))
   start = time.time()
   result = search.run_search(fitness, n, config.budget, settings,
                              os.path.join(out_dir, "search"), seeds)
   record = {"schedule": list(result["schedule"]), "fitness": result["fitness"],
             "history": result["history"], "budget": config.budget,
+            "objective": config.objective.to_dict(),
             "uniform_fitness": fitness(tuple(seeds[0])),
             "influence_fitness": fitness(tuple(seeds[1])),
+            "terms": {name: {"searched": f(result["schedule"]),
+                             "uniform": f(tuple(seeds[0])),
+                             "influence": f(tuple(seeds[1]))}
+                      for name, (_, f) in parts.items()},
             "block_influence": influence.tolist(), "seconds": time.time() - start}
   write_json(os.path.join(out_dir, "schedule.json"), record)
   print(f"searched schedule (fitness {result['fitness']:.4f}; uniform "
         f"{record['uniform_fitness']:.4f}, BI-proportional {record['influence_fitness']:.4f}):"
         f" {' '.join(f'{s:.2f}' for s in result['schedule'])}")
+
+
+def named_schedules(specs, config, target, paths) -> dict:
+  """{spec: schedule} of `--schedules`: "uniform" and "influence" (BI-proportional, from
+  the calibration rows) at config.budget, or any `assets.static_schedule` name or file."""
+  import numpy as np
+
+  from jakiro_jax.prune import assets, baselines, search
+
+  settings = _ga_settings(config, config.ga)
+  n = target.config.num_layers
+  out = {}
+  for spec in specs:
+    if spec == "uniform":
+      out[spec] = tuple(search.uniform_genome(n, config.budget, settings))
+    elif spec == "influence":
+      tokens = _calibration(target, config, paths, config.calib_rows, config.calib_length,
+                            config.seed)
+      bi = baselines.block_influence(target.params, target.config, tokens,
+                                     np.full(len(tokens), tokens.shape[1]))
+      out[spec] = tuple(search.influence_genome(bi, config.budget, settings))
+    else:
+      out[spec] = assets.static_schedule(spec, n)
+      if out[spec] is None:
+        raise ValueError(f"schedule {spec!r} prunes nothing")
+  return {k: tuple(float(v) for v in s) for k, s in out.items()}
+
+
+def rank_schedules(config, target, paths, named: dict, random_count: int = 0,
+                   mc_items: int = 200, progress=print, save_path: str | None = None
+                   ) -> dict:
+  """How well each objective term predicts held-out accuracy: every schedule of `named`
+  ({label: schedule}) plus `random_count` seeded random ones (repaired Gaussian noise of
+  std 0.15 around uniform) scored by each term of the objective and by held-out
+  multiple choice (the first `mc_items` ARC-Easy items, static router); the Spearman rank
+  correlation of each term with the held-out accuracy over the schedules. Returns
+  {"schedules": {label: {"schedule", term: value, "mc_accuracy"}}, "spearman": {term: r}}.
+  save_path: the report so far is written there after every schedule, and a rerun with
+  the same objective and items takes the rows it holds for the same schedules."""
+  import numpy as np
+
+  from jakiro_jax.prune import evaluate as ev
+  from jakiro_jax.prune import search
+
+  settings = _ga_settings(config, config.ga)
+  n = target.config.num_layers
+  rng = np.random.default_rng(config.seed + 100)
+  named = dict(named)
+  for i in range(random_count):
+    noisy = np.full(n, config.budget) + rng.normal(0.0, 0.15, n)
+    named[f"random {i}"] = tuple(float(v) for v in search.repair(
+        noisy, config.budget, settings.s_max, settings.dense_first))
+  parts = objective_parts(target, config, paths, all_terms=True)
+  items = ev.read_mc(paths["mc"], mc_items)
+  settings = {"objective": config.objective.to_dict(), "mc_items": len(items),
+              "calib_rows": config.calib_rows, "calib_length": config.calib_length,
+              "budget": config.budget}
+  done = {}
+  if save_path and os.path.isfile(save_path):
+    with open(save_path) as f:
+      saved = json.load(f)
+    if saved.get("settings") == settings:
+      done = saved.get("schedules", {})
+  out = {}
+  for label, schedule in named.items():
+    if label in done and done[label]["schedule"] == list(schedule):
+      out[label] = done[label]
+      continue
+    row = {"schedule": list(schedule)}
+    for term, (_, f) in parts.items():
+      row[term] = f(tuple(schedule))
+    method = ev.Method(label, "static", tuple(schedule))
+    row["mc_accuracy"] = ev.score_mc(target.params, target.config, target, [method], items,
+                                     config.eval.mc_length, 16)[label]
+    out[label] = row
+    progress(f"{label}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items()
+                                       if k != "schedule"))
+    if save_path:
+      write_json(save_path, {"settings": settings, "schedules": out})
+  held = [r["mc_accuracy"] for r in out.values()]
+  corr = {term: search.spearman([r[term] for r in out.values()], held) for term in parts}
+  return {"settings": settings, "schedules": out, "spearman": corr}
 
 
 def read_schedule(out_dir) -> tuple:

@@ -5,7 +5,10 @@ A genome is a schedule `s [N]` with `mean_i s_i = S` (the budget) and `s_i in [0
 is repaired by one shift and a clip (`repair`), found by bisection, so the budget holds to
 float precision. Fitness is any function schedule -> float (higher is better): with the
 static router, `kl_fitness` = -(mean KL(dense || pruned)) + w * top-1 agreement on a fixed
-calibration batch.
+calibration batch; `mc_fitness` = mean log-probability of the right choice among the
+choices of multiple-choice calibration items (the paper scores schedules by task accuracy;
+this is its smooth form); `weighted_fitness` sums several. `spearman` is the check that an
+objective ranks schedules as held-out accuracy does.
 
 Generation loop (`run_search`): evaluate the individuals without a fitness; record the
 best; unless it is the last generation, breed the next population: `elitism` best kept
@@ -273,3 +276,70 @@ def kl_fitness(params, config, tokens, lengths=None, agree_weight: float = 0.0,
     return -kl + agree_weight * top1
 
   return fitness
+
+
+def mc_fitness(params, config, rows, gold, batch_size: int = 16
+               ) -> Callable[[tuple[float, ...]], float]:
+  """Fitness of a schedule on multiple-choice calibration items, static router: the mean
+  over items of the right choice's probability under a softmax over the choices' mean
+  per-token continuation log-probabilities (a smooth accuracy: 1/4 at chance with 4
+  choices, 1 when sure and right). Per-token means, because summed log-probabilities of
+  choices that differ by tens of nats make the softmax a hard accuracy; probabilities,
+  because a mean of log-probabilities is ruled by a few confidently wrong items.
+
+  rows: `evaluate.mc_rows` of the items (`MCRows`, grouped by item in choice order; a
+  tail makes it the fair scoring); gold `[I]`: the right choice of each item. One
+  compilation serves every schedule (the keep mask is an array)."""
+  from jakiro_jax.prune import evaluate as ev
+
+  owner = np.asarray(rows.owner)
+  gold = np.asarray(gold, np.int64)
+  num_items = len(gold)
+  if owner.max(initial=-1) + 1 != num_items:
+    raise ValueError(f"{num_items} gold answers for {owner.max(initial=-1) + 1} items")
+  if not np.all(np.diff(owner) >= 0):
+    raise ValueError("mc rows must be grouped by item (evaluate.mc_rows order)")
+  right = np.searchsorted(owner, np.arange(num_items)) + gold
+  widths = np.maximum(rows.ends - rows.starts, 1).astype(np.float64)  # scored tokens
+
+  def fitness(schedule: tuple[float, ...]) -> float:
+    method = ev.Method("schedule", "static", tuple(schedule))
+    scores = ev.mc_scores(params, config, method, rows, batch_size).astype(np.float64)
+    scores = scores / widths
+    right_p = [np.exp(scores[right[i]] - np.logaddexp.reduce(scores[owner == i]))
+               for i in range(num_items)]
+    return float(np.mean(right_p))
+
+  return fitness
+
+
+def weighted_fitness(parts: Sequence[tuple[float, Callable[[tuple[float, ...]], float]]]
+                     ) -> Callable[[tuple[float, ...]], float]:
+  """sum_j w_j f_j(schedule) of (weight, fitness) pairs (a weight 0 skips its call)."""
+  parts = [(float(w), f) for w, f in parts if float(w) != 0.0]
+  if not parts:
+    raise ValueError("a weighted fitness needs at least one non-zero weight")
+  return lambda schedule: sum(w * f(schedule) for w, f in parts)
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+  """Spearman rank correlation of two equally long sequences (ties take their mean
+  rank); NaN when either is constant."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  if x.shape != y.shape or x.ndim != 1 or len(x) < 2:
+    raise ValueError(f"spearman needs two 1-D sequences of the same length >= 2, got "
+                     f"{x.shape} and {y.shape}")
+
+  def ranks(v):
+    order = np.argsort(v, kind="stable")
+    r = np.empty(len(v))
+    r[order] = np.arange(len(v), dtype=np.float64)
+    for value in np.unique(v):  # ties: the mean of their ranks
+      same = v == value
+      r[same] = r[same].mean()
+    return r
+
+  rx, ry = ranks(x), ranks(y)
+  if rx.std() == 0 or ry.std() == 0:
+    return float("nan")
+  return float(np.corrcoef(rx, ry)[0, 1])
