@@ -135,7 +135,8 @@ def test_both_sub_blocks_of_a_block_equal_shortgpt_removal(setup):
     mlp_keep = ev.mlp_keep_mask(m, L, LENGTHS, T)
     scores[m.name] = ev.continuation_logprob(
         params, None, None, None, keep, jnp.asarray(tokens[:B]), jnp.asarray(LENGTHS), starts,
-        None if mlp_keep is None else jnp.asarray(mlp_keep), config=config, width=8)
+        jnp.asarray(LENGTHS), None if mlp_keep is None else jnp.asarray(mlp_keep),
+        config=config, width=8)
   np.testing.assert_allclose(scores["b"], scores["g"], **TOL)
   # ShortGPT with the block really gone (fewer layers; block 1 was the sliding layer)
   small_params, small_config = baselines.remove_blocks(params, config, (1,))

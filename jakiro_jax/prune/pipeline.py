@@ -494,7 +494,7 @@ def eval_table(report: dict) -> str:
       line += f" {acc:7.3f}" if acc is not None else "       -"
       line += f" {retain:6.3f}" if retain is not None else "      -"
     lines.append(line)
-  if "shortgpt" in report["methods"]:
+  if "shortgpt" in report["methods"] and report.get("shortgpt_removed") is not None:
     lines.append(f"shortgpt removes blocks {' '.join(map(str, report['shortgpt_removed']))}")
   bp = report.get("blockpruner_removed")
   if bp and "blockpruner" in report["methods"]:
