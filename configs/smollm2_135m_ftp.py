@@ -54,9 +54,18 @@ def get_config() -> ml_collections.ConfigDict:
   # Router training: the target frozen, only the router params (385 for the factors).
   # inputs: "factors" (4 -> 64 -> 1, written to OUT_DIR/router) or "hidden" (the input
   # ablation: 576 -> 64 -> 1 on the hidden state, OUT_DIR/router_hidden, no fine-tune).
+  # rows: packed training rows of `length` tokens (the paper trains on a few thousand
+  # sequences; the prompts file holds ~5,800 rows of 128); the dense log-probabilities
+  # are computed per batch, so rows cost no memory. heldout_rows: the next rows of the
+  # same stream, the fixed batch whose KL is logged every eval_every steps. gate, sparse,
+  # guide_floor: the loss (see `jakiro_jax/prune/train_router.py`; the paper's is
+  # gate=straight_through, sparse=hinge). calib_rows: rows the decode thresholds are
+  # calibrated on.
   c.router = ml_collections.ConfigDict(dict(
-      steps=120, batch_size=2, rows=48, length=128, lr=1e-3, weight_decay=0.0, clip=1.0,
-      guide_fraction=0.5, save_every=20, inputs="factors"))
+      steps=1000, batch_size=2, rows=2048, length=128, lr=1e-3, weight_decay=0.0, clip=1.0,
+      guide_fraction=0.5, guide_floor=0.0, sparse="level", sparse_weight=1.0,
+      gate="kept", save_every=50, eval_every=50, heldout_rows=8, calib_rows=64,
+      inputs="factors"))
 
   # Held-out evaluation. MC-style scoring (ARC-Easy, and cloze items from natural text,
   # `prune.tasks.cloze_items`: a 30-word passage, its next 8 words against 3 segments of

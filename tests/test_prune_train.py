@@ -10,8 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jakiro_jax.prune import model as pm
 from jakiro_jax.prune import routers
 from jakiro_jax.prune import train_router as tr
+from jakiro_jax.prune.cache import new_pruned_cache
+from jakiro_jax.prune.route import BlockContext
 from test_prune_model import random_params, tiny_config, tokens_of
 
 SCHEDULE = (0.0, 0.5, 0.6)
@@ -101,6 +104,34 @@ def test_training_lowers_the_loss_and_resumes_bit_identical(setup, tmp_path):
                     progress=False, dense_logp=dense)
 
 
+@pytest.mark.slow  # compile-heavy, like the test above
+def test_in_step_dense_resumes_bit_identical_with_its_heldout_log(setup, tmp_path):
+  # No table of dense log-probabilities: each step computes its batch's.
+  config, params, tokens, lengths, dense = setup
+  settings = tr.RouterSettings(steps=6, batch_size=2, lr=3e-2, save_every=2, eval_every=3)
+  held = np.asarray(tokens_of(7, 2, tokens.shape[1]))
+  full = tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path / "a"),
+                         progress=False, heldout=held)
+  assert [e["step"] for e in full["heldout"]] == [0, 3, 6]
+  table = tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path / "t"),
+                          progress=False, dense_logp=dense)
+  for k in full["router"]:  # the same training up to float noise in the dense pass
+    np.testing.assert_allclose(full["router"][k], table["router"][k], atol=1e-5)
+  part = tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path / "b"),
+                         progress=False, heldout=held, stop_after=5)
+  assert part["step"] == 5 and [e["step"] for e in part["heldout"]] == [0, 3]
+  resumed = tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path / "b"),
+                            progress=False, heldout=held)
+  assert len(resumed["history"]) == 2  # steps 5 and 6 from the step-4 checkpoint
+  for k in full["router"]:
+    np.testing.assert_array_equal(np.asarray(full["router"][k]),
+                                  np.asarray(resumed["router"][k]))
+  assert resumed["heldout"] == full["heldout"] and resumed["thresholds"] == full["thresholds"]
+  _, _, record = tr.load_router(str(tmp_path / "b"))
+  assert record["heldout"] == full["heldout"]
+  assert tuple(record["thresholds"]) == full["thresholds"]
+
+
 def test_router_file_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="no router file"):
     tr.load_router(str(tmp_path / "none.json"))
@@ -151,3 +182,139 @@ def test_hidden_router_file_round_trip(tmp_path):
   with pytest.raises(ValueError, match="router inputs 'both' is not one of"):
     tr.train_router(None, tiny_config(), np.zeros((2, 4), np.int32), SCHEDULE,
                     SETTINGS, str(tmp_path / "x"), inputs="both")
+
+
+# ----------------------------------------------- what the paper's settings got wrong
+# With the paper's loss (straight-through gates on every token, one-sided sparsity hinge)
+# the keep probabilities drifted to p >= 0.5 everywhere, so decode at 0.5 kept every
+# token, and the distillation KL on fixed rows rose (see the module docstring of
+# `prune.train_router`). A tiny random model does not reproduce the KL rise (over 8 row
+# seeds, 20 steps on one fixed batch raise it 3 times under the paper's settings and 5
+# times under the defaults), so the tests below pin its causes instead.
+
+PAPER = dict(gate="straight_through", sparse="hinge")
+
+
+def _fixed_batch_run(setup, tmp_path, **over):
+  """Trains 20 steps on 4 fixed rows (every step the same batch, the guide off after the
+  first step) and returns the run with the held-out stats of those same rows."""
+  config, params, tokens, _, _ = setup
+  settings = tr.RouterSettings(steps=20, batch_size=4, lr=3e-3, guide_fraction=0.05,
+                               save_every=100, eval_every=20, seed=0, **over)
+  return tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path),
+                         progress=False, heldout=tokens)
+
+
+def _threshold_keep(config, params, router, thresholds, tokens):
+  """Fraction of tokens 1..T-1 per block `[L]` the decode rule p >= tau_i keeps in a
+  prefill of `tokens` (the rule applied to every token of the rows)."""
+  out = jax.jit(lambda t: pm.forward(
+      params, config, t, jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape),
+      new_pruned_cache(config, t.shape[0], t.shape[1]),
+      routers.dynamic_route(router, SCHEDULE, "threshold", thresholds)))(jnp.asarray(tokens))
+  return np.asarray(out.keep)[:, :, 1:].mean(axis=(0, 2))
+
+
+def _top_k_fraction(num: int) -> np.ndarray:
+  """`[L]` fraction of tokens 1..num-1 top-k keeps in a row of `num` tokens."""
+  return (np.asarray(routers.count_tables(SCHEDULE, num))[:, -1] - 1) / (num - 1)
+
+
+@pytest.mark.parametrize("settings", [
+    "defaults",
+    pytest.param("paper", marks=[pytest.mark.slow, pytest.mark.xfail(
+        strict=True, reason="the paper's settings and its decode rule p >= 0.5")])])
+def test_decode_rule_keeps_what_top_k_keeps_after_training(setup, tmp_path, settings):
+  config, params, tokens, _, _ = setup
+  run = _fixed_batch_run(setup, tmp_path, **(PAPER if settings == "paper" else {}))
+  router, schedule, record = tr.load_router(str(tmp_path))
+  thresholds = tuple(record["thresholds"])
+  assert thresholds == run["thresholds"] and thresholds[0] == 0.0  # block 0 is dense
+  rule = 0.5 if settings == "paper" else thresholds
+  held = np.asarray(tokens_of(7, 4, tokens.shape[1]))
+  keep = _threshold_keep(config, params, router, rule, held)
+  np.testing.assert_allclose(keep, _top_k_fraction(tokens.shape[1]), atol=0.15)
+  # the probabilities themselves stay near the budget (no drift towards 0 or 1)
+  mean_p = np.asarray(run["heldout"][-1]["mean_p"])[1:]
+  np.testing.assert_allclose(mean_p, 1.0 - np.asarray(SCHEDULE[1:]), atol=0.15)
+
+
+def test_level_sparsity_moves_only_the_output_bias():
+  router = routers.init_router(2)
+  factors = jax.random.uniform(jax.random.PRNGKey(0), (2, 3, 6, routers.ROUTER_FACTORS))
+  real = jnp.ones((2, 6), bool)
+  sparsity = jnp.asarray(SCHEDULE, jnp.float32)
+
+  def term(params, form):
+    prob = routers.router_prob(params, factors)  # [B, L, T]
+    if form == "level":
+      return tr.sparsity_term(tr.level_only(prob, params["b2"][0]), sparsity, real,
+                              "two_sided")
+    return tr.sparsity_term(prob, sparsity, real, form)
+
+  assert float(term(router, "level")) == pytest.approx(float(term(router, "two_sided")),
+                                                       rel=1e-5)
+  level = jax.grad(term)(router, "level")
+  full = jax.grad(term)(router, "two_sided")
+  for k in ("w1", "b1", "w2"):
+    assert not np.any(np.asarray(level[k])) and np.any(np.asarray(full[k]))
+  np.testing.assert_allclose(level["b2"], full["b2"], rtol=1e-5)
+
+
+def test_calibrated_thresholds_reproduce_top_k_on_the_calibration_rows(setup):
+  config, params, tokens, lengths, _ = setup
+  # p of position and sparsity only (attention factors zeroed): every row gets the same
+  # probabilities by position, so the threshold rule must keep exactly top-k's tokens.
+  router = routers.init_router(5)
+  router["w1"] = router["w1"].at[1:3].set(0.0)
+  router["b2"] = router["b2"] + 4.0  # p > 0.5 everywhere: the paper's rule keeps all
+  thresholds = tr.calibrate_thresholds(params, config, router, SCHEDULE, tokens, lengths)
+  assert thresholds[0] == 0.0 and all(0.5 < t < 1.0 for t in thresholds[1:])
+  top_k = tr.ev.pruned_forward(params, config, jnp.asarray(tokens), jnp.asarray(lengths),
+                               None, router, jnp.asarray(SCHEDULE, jnp.float32),
+                               jnp.asarray(routers.count_tables(SCHEDULE, 10))).keep
+  np.testing.assert_array_equal(
+      _threshold_keep(config, params, router, thresholds, tokens),
+      np.asarray(top_k)[:, :, 1:].mean(axis=(0, 2)))
+  assert np.all(_threshold_keep(config, params, router, 0.5, tokens) == 1.0)
+
+
+def test_kept_gate_sends_no_gradient_to_skipped_tokens():
+  # One block's decision on a hand-made context: d(sum of gates)/d(b2) = sum of p (1 - p)
+  # over the tokens whose gate carries the router's gradient.
+  num = 8
+  positions = jnp.arange(num, dtype=jnp.int32)[None]
+  ctx = BlockContext(layer=1, positions=positions, slots=positions,
+                     real=jnp.ones((1, num), bool), num_real=jnp.array([num]),
+                     seq_len=jnp.array([num]),
+                     table=jnp.linspace(0.5, 3.0, num, dtype=jnp.float32)[None],
+                     in_seq=jnp.ones((1, num), bool))
+  sparsity = jnp.asarray(SCHEDULE, jnp.float32)
+  counts = jnp.asarray(routers.count_tables(SCHEDULE, num))
+  router = routers.init_router(0)
+
+  def gate_sum(b2, gate):
+    decision, _ = tr.training_route(dict(router, b2=b2), sparsity, counts, gate)(ctx, None)
+    return jnp.sum(decision.gate), decision
+
+  for gate in tr.GATES:
+    (_, decision), grad = jax.value_and_grad(gate_sum, has_aux=True)(router["b2"], gate)
+    keep, prob = np.asarray(decision.keep[0]), np.asarray(decision.prob[0])
+    np.testing.assert_array_equal(np.asarray(decision.gate[0]), keep)  # hard values
+    assert 0 < keep.sum() < num
+    through = keep if gate == "kept" else np.ones_like(keep)
+    np.testing.assert_allclose(float(grad[0]), np.sum((prob * (1 - prob))[through]),
+                               rtol=1e-5)
+
+
+def test_sparsity_forms_and_guide_floor_by_hand():
+  real = jnp.ones((1, 2), bool)
+  prob = jnp.array([[[0.2, 0.4], [0.9, 0.7]]])  # achieved 0.7 and 0.2 against s = 0.5
+  two = tr.sparsity_term(prob, jnp.array([0.5, 0.5]), real, "two_sided")
+  assert float(two) == pytest.approx((0.2 + 0.3) / 2, rel=1e-5)
+  np.testing.assert_allclose([float(tr.guide_weight(t, 10, 0.5, 0.25)) for t in (0, 2, 5)],
+                             [1.0, 0.6, 0.25], atol=1e-7)
+  with pytest.raises(ValueError, match="sparse 'both' is not one of"):
+    tr.RouterSettings(sparse="both").check()
+  with pytest.raises(ValueError, match="gate 'soft' is not one of"):
+    tr.RouterSettings(gate="soft").check()

@@ -3,7 +3,8 @@
 Axis letters: B batch, T tokens, L layers (blocks), V vocab, N = L schedule entries.
 
 A `Method` names how blocks pick their tokens: "dense"; "static" (position priority under a
-schedule); "dynamic" (the learnt router: top-k in prefill, p >= 0.5 in decode); "random"
+schedule); "dynamic" (the learnt router: top-k in prefill, p >= tau_i in decode, with the
+router's calibrated per-block thresholds `Method.thresholds`, or 0.5 without); "random"
 (seeded uniform selection of the same counts); "shortgpt" (whole blocks removed: every
 token skips them); "blockpruner" (attention and MLP sub-blocks removed apart: every token
 skips them, `Decision.mlp_keep`). Every method runs through `prune.model.forward` with
@@ -122,8 +123,10 @@ def question_rows(target, paths: Sequence[str], per_file: int, length: int, pad_
 
 class Method(NamedTuple):
   """How the pruned model picks tokens. `schedule`: N floats (None for the block kinds);
-  `router`: dynamic router params; `seed`: random baseline; `removed`: ShortGPT blocks;
-  `removed_attn` / `removed_mlp`: BlockPruner's removed attention / MLP sub-blocks."""
+  `router`: dynamic router params; `thresholds`: the dynamic router's decode thresholds
+  (N floats; None = 0.5 at every block); `seed`: random baseline; `removed`: ShortGPT
+  blocks; `removed_attn` / `removed_mlp`: BlockPruner's removed attention / MLP
+  sub-blocks."""
   name: str
   kind: str
   schedule: tuple[float, ...] | None = None
@@ -132,6 +135,7 @@ class Method(NamedTuple):
   removed: tuple[int, ...] = ()
   removed_attn: tuple[int, ...] = ()
   removed_mlp: tuple[int, ...] = ()
+  thresholds: tuple[float, ...] | None = None
 
 
 def check_method(method: Method, num_layers: int) -> None:
@@ -143,6 +147,9 @@ def check_method(method: Method, num_layers: int) -> None:
     check_schedule(method.schedule, num_layers)
   if method.kind == "dynamic" and method.router is None:
     raise ValueError(f"method {method.name!r} (dynamic) needs router params")
+  if method.thresholds is not None and len(method.thresholds) != num_layers:
+    raise ValueError(f"method {method.name!r} has {len(method.thresholds)} decode "
+                     f"thresholds, the model has {num_layers} layers")
   if method.kind == "blockpruner" and method.removed:
     raise ValueError(f"method {method.name!r} (blockpruner) removes sub-blocks: give "
                      "removed_attn / removed_mlp, not removed")
@@ -377,9 +384,10 @@ def compare(params, config: LlamaConfig, methods: Sequence[Method], tokens: np.n
 
 # --------------------------------------------------------------------------- greedy
 
-def _decode_route(kind: str, router, sparsity, counts, block_keep, rng, block_mlp_keep):
+def _decode_route(kind: str, router, sparsity, counts, block_keep, rng, block_mlp_keep,
+                  thresholds):
   if kind == "dynamic":
-    return routers.array_dynamic_route(router, sparsity, counts, "threshold")
+    return routers.array_dynamic_route(router, sparsity, counts, "threshold", thresholds)
   if kind == "static":
     return routers.array_static_route(counts)
   if kind == "random":
@@ -389,11 +397,12 @@ def _decode_route(kind: str, router, sparsity, counts, block_keep, rng, block_ml
 
 @functools.partial(jax.jit, static_argnames=("config", "kind", "num_new"))
 def greedy_generate(params, router, sparsity, counts, prefill_keep, block_keep, rng,
-                    prompt, lengths, prefill_mlp_keep=None, block_mlp_keep=None, *,
-                    config: LlamaConfig, kind: str, num_new: int):
+                    prompt, lengths, prefill_mlp_keep=None, block_mlp_keep=None,
+                    thresholds=0.5, *, config: LlamaConfig, kind: str, num_new: int):
   """Greedy tokens `[B, num_new]` after right-padded prompts `[B, P]` (`lengths [B]`),
   KV-cache decode. Prefill: the keep mask `prefill_keep [B, L, P]` or (dynamic) the router
-  in top-k mode; decode: dynamic p >= 0.5, static rule of `array_static_route` (counts
+  in top-k mode; decode: dynamic p >= thresholds (a float or `[N]`), static rule of
+  `array_static_route` (counts
   `[N, P + num_new + 1]`), random per-token draw, or the block mask `block_keep [N]`.
   Sub-block pruning: `prefill_mlp_keep [B, L, P]` and `block_mlp_keep [N]` decide the
   MLPs (the keep masks then the attention). Also returns the decode decisions
@@ -405,7 +414,8 @@ def greedy_generate(params, router, sparsity, counts, prefill_keep, block_keep, 
   else:
     route = fixed_route(prefill_keep, mlp_keep=prefill_mlp_keep)
   logits, out = pm.prefill(params, config, prompt, cache, route, lengths)
-  decode = _decode_route(kind, router, sparsity, counts, block_keep, rng, block_mlp_keep)
+  decode = _decode_route(kind, router, sparsity, counts, block_keep, rng, block_mlp_keep,
+                         thresholds)
 
   def step(carry, _):
     cache, logits = carry
@@ -436,10 +446,13 @@ def generate(params, config: LlamaConfig, method: Method, prompt: np.ndarray,
   else:
     block_keep, block_mlp_keep = jnp.ones((config.num_layers,), bool), None
   kind = method.kind if method.kind in ("dynamic", "static", "random") else "block"
+  thresholds = (jnp.float32(0.5) if method.thresholds is None
+                else jnp.asarray(method.thresholds, jnp.float32))
   tokens, keep = greedy_generate(
       params, method.router, sparsity, counts, prefill_keep, block_keep,
       jax.random.PRNGKey(method.seed + 1), jnp.asarray(prompt), jnp.asarray(lengths),
-      prefill_mlp_keep, block_mlp_keep, config=config, kind=kind, num_new=num_new)
+      prefill_mlp_keep, block_mlp_keep, thresholds, config=config, kind=kind,
+      num_new=num_new)
   return np.asarray(tokens), np.asarray(keep)
 
 

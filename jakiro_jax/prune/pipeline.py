@@ -6,6 +6,7 @@ takes the FTP config (`configs/*_ftp.py`), a run directory and the data paths
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -235,6 +236,22 @@ def read_schedule(out_dir) -> tuple:
     raise ValueError(f"{path} is corrupt (no 'schedule')") from None
 
 
+def router_settings(config):
+  """`train_router.RouterSettings` of the config's router block (keys it lacks keep their
+  defaults)."""
+  from jakiro_jax.prune import train_router as tr
+
+  r = config.router
+  values = dict(steps=r.steps, batch_size=r.batch_size, lr=r.lr,
+                weight_decay=r.weight_decay, clip=r.clip, guide_fraction=r.guide_fraction,
+                save_every=r.save_every, seed=config.seed)
+  for key in ("guide_floor", "sparse", "sparse_weight", "distill_weight", "gate",
+              "eval_every"):
+    if key in r:
+      values[key] = r[key]
+  return tr.RouterSettings(**values)
+
+
 def run_train(config, out_dir, paths) -> None:
   from jakiro_jax.prune import search
   from jakiro_jax.prune import train_router as tr
@@ -243,15 +260,18 @@ def run_train(config, out_dir, paths) -> None:
   target = target_of(config)
   r = config.router
   inputs = r.get("inputs", "factors")
-  tokens = _calibration(target, config, paths, r.rows, r.length, config.seed + 1)
-  settings = tr.RouterSettings(steps=r.steps, batch_size=r.batch_size, lr=r.lr,
-                               weight_decay=r.weight_decay, clip=r.clip,
-                               guide_fraction=r.guide_fraction, save_every=r.save_every,
-                               seed=config.seed)
+  heldout_rows = r.get("heldout_rows", 0)
+  # One seeded stream of packed rows: the training rows, then the held-out ones.
+  rows = _calibration(target, config, paths, r.rows + heldout_rows, r.length,
+                      config.seed + 1)
+  tokens, heldout = rows[:r.rows], (rows[r.rows:] if heldout_rows else None)
+  settings = router_settings(config)
   router_dir = os.path.join(out_dir, ROUTER_DIRS[inputs])
+  calib_rows = r.get("calib_rows", 64)
   start = time.time()
   result = tr.train_router(target.params, target.config, tokens, schedule, settings,
-                           router_dir, inputs=inputs)
+                           router_dir, inputs=inputs, heldout=heldout,
+                           calib_rows=calib_rows)
   train_seconds = time.time() - start
   router = result["router"]
   finetuned, ft_record = schedule, {}
@@ -268,6 +288,10 @@ def run_train(config, out_dir, paths) -> None:
     ft_record = {"finetune_history": res["history"]}
   ft_record.update(searched_schedule=list(schedule),
                    searched_fitness_dynamic=fitness(schedule))
+  # Decode thresholds of the schedule the router is used with (the fine-tuned one).
+  thresholds = (result["thresholds"] if tuple(finetuned) == tuple(schedule) else
+                tr.calibrate_thresholds(target.params, target.config, router, finetuned,
+                                        tokens[:calib_rows]))
   # The loss terms of this call's steps (all of them unless it resumed a killed run).
   history = result["history"]
   if history:
@@ -275,16 +299,24 @@ def run_train(config, out_dir, paths) -> None:
                      history=history)
   tr.save_router(os.path.join(router_dir, tr.ROUTER_FILE), router, finetuned,
                  dict(ft_record, steps=settings.steps, train_seconds=train_seconds,
-                      target=config.target, inputs=inputs))
+                      target=config.target, inputs=inputs, rows=r.rows,
+                      settings=dataclasses.asdict(settings), heldout=result["heldout"],
+                      thresholds=list(thresholds)))
   print(f"searched schedule with the trained router in the loop: fitness "
         f"{ft_record['searched_fitness_dynamic']:.4f}")
+  if result["heldout"]:
+    first, last = result["heldout"][0], result["heldout"][-1]
+    print(f"held-out KL ({len(heldout)} rows): step {first['step']} {first['kl']:.4f}, "
+          f"step {last['step']} {last['kl']:.4f}"
+          + (" (it ROSE over training)" if last["kl"] > first["kl"] else ""))
   if history:
     first_step = ft_record["history_first_step"]
-    print(f"distillation KL: step {first_step} {history[0]['distill']:.3f}, step "
-          f"{result['step']} {history[-1]['distill']:.3f}")
+    print(f"distillation KL (training batches): step {first_step} "
+          f"{history[0]['distill']:.3f}, step {result['step']} {history[-1]['distill']:.3f}")
   print(f"{inputs} router trained ({settings.steps} steps, {train_seconds:.0f} s); schedule "
         f"{'fine-tuned' if 'finetune_history' in ft_record else 'as searched'}: "
-        f"{' '.join(f'{s:.2f}' for s in finetuned)}")
+        f"{' '.join(f'{s:.2f}' for s in finetuned)}; decode thresholds "
+        f"{' '.join(f'{t:.3f}' for t in thresholds)}")
 
 
 def _progress(start, what) -> None:
@@ -348,6 +380,13 @@ def blockpruner_search(target, config, calib, budget: float, out_dir: str | None
   return record
 
 
+def _thresholds(record) -> tuple | None:
+  """A router record's calibrated decode thresholds (None: a router trained before they
+  existed, decoded with the paper's p >= 0.5)."""
+  values = record.get("thresholds")
+  return None if values is None else tuple(float(v) for v in values)
+
+
 def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "smollm2_s30",
              with_mc: bool = True) -> dict:
   """Evaluates `methods` (names of `ALL_METHODS`) at the router's budget: the router of
@@ -375,7 +414,7 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
   budget = mean_sparsity(schedule)
   hidden_router = hidden_schedule = None
   if "ftp_hidden" in methods:
-    hidden_router, hidden_schedule, _ = tr.load_router(hidden_file)
+    hidden_router, hidden_schedule, hidden_record = tr.load_router(hidden_file)
     if abs(mean_sparsity(hidden_schedule) - budget) > 1e-6:
       raise ValueError(f"{hidden_file} has budget {mean_sparsity(hidden_schedule):.4f}, "
                        f"the router in {out_dir}/router {budget:.4f}")
@@ -394,7 +433,8 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
                                         np.full(len(calib), calib.shape[1]))
   known = {
       "dense": ev.Method("dense", "dense"),
-      "ftp_dynamic": ev.Method("ftp_dynamic", "dynamic", schedule, router=router),
+      "ftp_dynamic": ev.Method("ftp_dynamic", "dynamic", schedule, router=router,
+                               thresholds=_thresholds(record)),
       "ftp_static": ev.Method("ftp_static", "static", searched),
       "uniform_static": ev.Method("uniform_static", "static",
                                   uniform_schedule(tc.num_layers, budget)),
@@ -411,7 +451,8 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
                                      removed_mlp=tuple(blockpruner["mlp"]))
   if hidden_router is not None:
     known["ftp_hidden"] = ev.Method("ftp_hidden", "dynamic", hidden_schedule,
-                                    router=hidden_router)
+                                    router=hidden_router,
+                                    thresholds=_thresholds(hidden_record))
   chosen = [known[m] for m in methods]
   report = {"source": source, "budget": budget, "schedule": list(schedule),
             "searched_schedule": list(searched),
@@ -451,8 +492,7 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
   for r in report["methods"].values():
     for key, _ in MC_KEYS:
       acc, ref = r[key], dense.get(key)
-      r[key.replace("_accuracy", "_retention")] = (acc / ref) if (acc is not None and ref
-                                                                  ) else None
+      r[key.replace("_accuracy", "_retention")] = acc / ref if acc is not None and ref else None
   run = {key: (len(items), tail) for key, items, _, tail in scorings}
   report["settings"] = {"articles": e.articles, "article_length": e.article_length,
                         "questions": len(q_tokens), "gen_prompts": e.gen_prompts,

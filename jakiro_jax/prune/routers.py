@@ -10,8 +10,10 @@ block.
 - Dynamic router: one global MLP 4 -> 64 -> 1 (GELU, sigmoid = keep probability) over the
   factors (position j/(L-1), attention received, its rank / L, s_i), evaluated before
   every block on the latest attention table; top-k_i per block in prefill ("topk" mode),
-  p >= threshold per token in decode ("threshold" mode); the decision's gate is
-  straight-through, so a loss on the output reaches the MLP's params.
+  p >= threshold per token in decode ("threshold" mode: one threshold, the paper's 0.5,
+  or one per block, tau_i, calibrated after training so that p >= tau_i keeps the
+  fraction of tokens top-k keeps: `train_router.calibrate_thresholds`); the decision's
+  gate is straight-through, so a loss on the output reaches the MLP's params.
 - One-pass router: the same MLP called once, before block 1, on the block-0 attention,
   for every later block at once; block 0 itself uses the static router. Its decisions
   need no attention probabilities after block 0.
@@ -65,6 +67,23 @@ def _check_schedule_values(schedule: Sequence[float]) -> tuple[float, ...]:
     if not 0.0 <= s < 1.0:
       raise ValueError(f"sparsity of block {i} is {s}; it must lie in [0, 1)")
   return values
+
+
+def _check_thresholds(threshold, num_layers: int | None = None):
+  """A float, or one float per block (`[N]`); a clear error otherwise."""
+  values = np.asarray(threshold, np.float64)
+  if values.ndim > 1 or (values.ndim == 1 and num_layers is not None
+                         and values.shape[0] != num_layers):
+    raise ValueError(f"threshold must be a float or one per block ({num_layers}), got "
+                     f"shape {values.shape}")
+  if not np.all(np.isfinite(values)):
+    raise ValueError(f"threshold holds a non-finite value: {threshold}")
+  return float(values) if values.ndim == 0 else tuple(float(v) for v in values)
+
+
+def _block_threshold(threshold, layer: int):
+  """The threshold of block `layer`: a scalar, or entry `layer` of a `[N]` sequence/array."""
+  return threshold if np.ndim(threshold) == 0 else threshold[layer]
 
 
 def _layer_sparsity(schedule: tuple[float, ...], layer: int) -> float:
@@ -292,17 +311,19 @@ def _decide(prob: jax.Array, sparsity: float, ctx: BlockContext, mode: str,
 
 
 def dynamic_route(router_params: Mapping[str, jax.Array], schedule: Sequence[float],
-                  mode: str = "topk", threshold: float = 0.5) -> Route:
+                  mode: str = "topk", threshold=0.5) -> Route:
   """The per-block learnt router. "topk": block i keeps the `ceil((1 - s_i) n)` highest
   probabilities among each row's n real tokens of this call (prefill); "threshold": keeps
-  tokens with p >= threshold (decode). Gates are straight-through."""
+  tokens with p >= threshold (decode), a float or one per block `[N]`. Gates are
+  straight-through."""
   schedule = _check_schedule_values(schedule)
   _check_mode(mode)
+  threshold = _check_thresholds(threshold, len(schedule))
 
   def route(ctx: BlockContext, carry):
     s = _layer_sparsity(schedule, ctx.layer)
     prob = learnt_prob(router_params, ctx, s)
-    keep = _decide(prob, s, ctx, mode, threshold)
+    keep = _decide(prob, s, ctx, mode, _block_threshold(threshold, ctx.layer))
     return Decision(keep, straight_through(keep, prob), prob), carry
 
   route.schedule = schedule
@@ -310,7 +331,7 @@ def dynamic_route(router_params: Mapping[str, jax.Array], schedule: Sequence[flo
 
 
 def one_pass_route(router_params: Mapping[str, jax.Array], schedule: Sequence[float],
-                   mode: str = "topk", threshold: float = 0.5) -> Route:
+                   mode: str = "topk", threshold=0.5) -> Route:
   """The one-pass learnt router: block 0 by the static router (its prob is its 0/1
   decision); at block 1 one MLP call on (position, block-0 attention, its rank, s_i) gives
   every later block's probabilities, kept in the carry and replayed at each block. A
@@ -318,6 +339,7 @@ def one_pass_route(router_params: Mapping[str, jax.Array], schedule: Sequence[fl
   later block: one probability per token, each block keeping its own top k_i."""
   schedule = _check_schedule_values(schedule)
   _check_mode(mode)
+  threshold = _check_thresholds(threshold, len(schedule))
   static = static_route(schedule)
 
   def route(ctx: BlockContext, carry):
@@ -331,7 +353,7 @@ def one_pass_route(router_params: Mapping[str, jax.Array], schedule: Sequence[fl
       carry = learnt_prob(router_params, ctx, later)  # [B, T, N-1]
     s = _layer_sparsity(schedule, ctx.layer)
     prob = carry[:, :, ctx.layer - 1]
-    keep = _decide(prob, s, ctx, mode, threshold)
+    keep = _decide(prob, s, ctx, mode, _block_threshold(threshold, ctx.layer))
     return Decision(keep, straight_through(keep, prob), prob), carry
 
   route.schedule = schedule
@@ -363,10 +385,9 @@ def array_static_route(counts: jax.Array) -> Route:
 
 
 def array_dynamic_route(router_params: Mapping[str, jax.Array], sparsity: jax.Array,
-                        counts: jax.Array, mode: str = "topk",
-                        threshold: float = 0.5) -> Route:
+                        counts: jax.Array, mode: str = "topk", threshold=0.5) -> Route:
   """`dynamic_route` with a traced schedule: sparsity `[N]`, counts `[N, T + 1]` (T =
-  tokens of the call; only "topk" reads them)."""
+  tokens of the call; only "topk" reads them); threshold a float or `[N]` (traced)."""
   _check_mode(mode)
 
   def route(ctx: BlockContext, carry):
@@ -377,7 +398,8 @@ def array_dynamic_route(router_params: Mapping[str, jax.Array], sparsity: jax.Ar
       # A dense block's count is every real token, so top-k keeps them all.
       keep = topk_keep(prob, counts[ctx.layer][ctx.num_real], ctx.real, first)
     else:
-      keep = jnp.where(s == 0.0, ctx.real, ((prob >= threshold) | first) & ctx.real)
+      tau = _block_threshold(threshold, ctx.layer)
+      keep = jnp.where(s == 0.0, ctx.real, ((prob >= tau) | first) & ctx.real)
     return Decision(keep, straight_through(keep, prob), prob), carry
 
   return route

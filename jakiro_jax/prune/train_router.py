@@ -4,19 +4,58 @@ for the four-factor router, D * 64 + 129 for the hidden-state one, 36,993 at D =
 Axis letters: B batch, L layers (blocks), T tokens, V vocab, N = L schedule entries.
 
 Loss per step t of `steps` (the paper's Eq. 6 with equal base weights):
-  L = lambda_g(t) * L_guide + L_sparse + L_distill
+  L = lambda_g(t) * L_guide + w_s * L_sparse + w_d * L_distill
   L_guide   mean over blocks and real tokens of BCE(p, static router's keep mask)
-  L_sparse  sum_i max(0, s_i - mean_j (1 - p_ij)) / N   (one-sided: only under-pruning)
+  L_sparse  sum_i gap(s_i - s_hat_i) / N, s_hat_i = mean over real tokens j of 1 - p_ij;
+            gap = max(0, .) ("hinge", the paper's) or |.| ("two_sided", "level")
   L_distill KL(dense || pruned) of the next-token distributions, mean over real tokens
-  lambda_g(t) = max(0, 1 - t / (guide_fraction * steps))   (1 -> 0 over the first half)
-The forward keeps the top-k_i tokens by p at block i (the dynamic route in top-k mode)
-with straight-through gates, so L_distill reaches the router through the hard decisions.
+  lambda_g(t) = max(floor, 1 - t / (guide_fraction * steps))   (1 -> 0 over the first half)
+The forward keeps the top-k_i tokens by p at block i (the dynamic route in top-k mode), so
+L_distill reaches the router only through the gates of the hard decisions.
+
+The paper's settings (`gate="straight_through", sparse="hinge"`: straight-through gates
+on every token, the hinge, w_s = w_d = 1) fail on SmolLM2-135M-Instruct (S = 0.3,
+searched schedule, 2 x 128-token batches, lr 1e-3; KL on a fixed held-out batch of 4 rows,
+3.04 for the untrained router) in two ways, and the defaults change three things [I]:
+
+1. The KL on fixed rows rises: 3.04 -> 3.53 by step 60 (lambda_g reaching 0) -> 4.34 at
+   step 120; with lambda_g held at 1, 3.04 -> 3.82 by step 60. Cause: the straight-through
+   gradient dKL/dgate of a *skipped* token is a first-order guess of what computing it
+   would do; it is 5-9x larger than a kept token's (mean |g| x B*T 6.0-6.3 vs 0.6-1.1)
+   and does not predict the true change when that token is computed (sign agreement
+   0.38-0.62 over 16 sampled flips per router), so it dominates the update and moves the
+   ranking the wrong way (the kept tokens drift to late positions, mean position 46 ->
+   67). Default `gate="kept"`: only kept tokens' gates carry the gradient (a kept token's
+   gradient predicts the effect of removing it: correlation 0.46-0.73, sign agreement
+   0.62-0.69). With it the fixed-batch KL no longer runs away (the KL term alone, 60
+   steps: 3.04 -> 2.85, between 2.85 and 3.13 on the way).
+2. Decode keeps every token: top-k never depends on the level of p, yet every term moves
+   it: the straight-through KL pushes all p up (its gradient on the shared output bias b2
+   on the fixed batch: -2.4 to -4.6 over steps 60-120, the hinge's +0.09 to +0.13 there,
+   20-40x weaker), so p >= 0.5 held for all tokens from step 30 (mean p 0.45 -> 0.85; the
+   shipped router: 0.85). Decode now uses per-block thresholds tau_i
+   (`calibrate_thresholds`, stored in `router.json` and read by `evaluate.Method`): p >=
+   tau_i keeps the fraction of tokens top-k keeps on the training rows, so the decode rule
+   is tied to the decision trained, whatever level p settles at.
+3. The sparsity term bends the ranking: a two-sided |s_i - s_hat_i| through every
+   parameter raised the fixed-batch KL steadily (3.04 -> 3.28 in 60 steps, no guide).
+   Default `sparse="level"`: the two-sided gap on p whose gradient reaches only the
+   shared output bias b2 (`level_only`), so it keeps p away from 0 and 1 (where top-k
+   would meet ties) without moving any decision.
+The guide keeps the paper's decay (with lambda_g held at 1 the KL rose too, above); lr,
+clip and the optimiser are unchanged.
+
+The dense log-probabilities are computed inside each step (`train_step` with
+`dense_logp=None`), so the number of rows is bounded by the data, not by memory (the
+former table held rows x T x V floats). `heldout_stats` logs the KL on fixed held-out
+rows every `eval_every` steps (kept in the checkpoints and `router.json`): the training
+batches change every step, so their KL alone cannot show a trend.
 
 Runs are seeded and resumable: the data order is a function of the step (a seeded
 permutation per epoch of the rows), and an orbax checkpoint (`train.checkpoints`) holds
-{router params, optimizer state, step} plus the schedule and settings, so a run killed
-and restarted ends bit-identical to an uninterrupted one. The final router and its
-schedule are written beside the checkpoints as `router.json`.
+{router params, optimizer state, step} plus the schedule, settings and held-out log, so a
+run killed and restarted ends bit-identical to an uninterrupted one. The final router, its
+schedule and decode thresholds are written beside the checkpoints as `router.json`.
 """
 
 from __future__ import annotations
@@ -36,22 +75,36 @@ from jakiro_jax.atomic_dir import write_json
 from jakiro_jax.integrity import check_finite
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.prune import evaluate as ev
+from jakiro_jax.prune import model as pm
 from jakiro_jax.prune import routers
+from jakiro_jax.prune.cache import new_pruned_cache
+from jakiro_jax.prune.route import straight_through
 from jakiro_jax.prune.schedule import check_schedule, mean_sparsity
 
 ROUTER_FILE = "router.json"
 CHECKPOINT_DIR = "checkpoints"
 
 
+SPARSE_FORMS = ("hinge", "two_sided", "level")
+GATES = ("straight_through", "kept")
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterSettings:
+  """Optimiser, loss and bookkeeping settings (module docstring: the loss)."""
   steps: int = 120
   batch_size: int = 2
   lr: float = 1e-3
   weight_decay: float = 0.0
   clip: float = 1.0
   guide_fraction: float = 0.5
+  guide_floor: float = 0.0
+  sparse: str = "level"
+  sparse_weight: float = 1.0
+  distill_weight: float = 1.0
+  gate: str = "kept"
   save_every: int = 20
+  eval_every: int = 0
   seed: int = 0
 
   def check(self) -> None:
@@ -59,13 +112,24 @@ class RouterSettings:
       raise ValueError("steps, batch_size and save_every must be >= 1")
     if not 0.0 < self.guide_fraction <= 1.0:
       raise ValueError(f"guide_fraction {self.guide_fraction} must lie in (0, 1]")
+    if not 0.0 <= self.guide_floor <= 1.0:
+      raise ValueError(f"guide_floor {self.guide_floor} must lie in [0, 1]")
+    if self.sparse not in SPARSE_FORMS:
+      raise ValueError(f"sparse {self.sparse!r} is not one of {SPARSE_FORMS}")
+    if self.sparse_weight < 0.0 or self.distill_weight < 0.0:
+      raise ValueError(f"sparse_weight {self.sparse_weight} and distill_weight "
+                       f"{self.distill_weight} must be >= 0")
+    if self.gate not in GATES:
+      raise ValueError(f"gate {self.gate!r} is not one of {GATES}")
+    if self.eval_every < 0:
+      raise ValueError(f"eval_every {self.eval_every} must be >= 0 (0: never)")
 
 
 # ---------------------------------------------------------------------------- losses
 
-def guide_weight(step, steps: int, fraction: float):
-  """lambda_g: 1 at step 0, linearly 0 at `fraction * steps` and after."""
-  return jnp.clip(1.0 - step / (fraction * steps), 0.0, 1.0)
+def guide_weight(step, steps: int, fraction: float, floor: float = 0.0):
+  """lambda_g: 1 at step 0, linearly `floor` at `fraction * steps` and after."""
+  return jnp.clip(1.0 - step / (fraction * steps), floor, 1.0)
 
 
 def guide_bce(prob: jax.Array, target: jax.Array, real: jax.Array) -> jax.Array:
@@ -78,12 +142,25 @@ def guide_bce(prob: jax.Array, target: jax.Array, real: jax.Array) -> jax.Array:
   return jnp.sum(bce * weight) / jnp.sum(weight)
 
 
-def sparsity_term(prob: jax.Array, sparsity: jax.Array, real: jax.Array) -> jax.Array:
-  """sum_i max(0, s_i - s_hat_i) / N with s_hat_i = mean over real tokens of 1 - p at
-  block i: prob `[B, L, T]`, sparsity `[N]`, real `[B, T]`."""
+def sparsity_term(prob: jax.Array, sparsity: jax.Array, real: jax.Array,
+                  form: str = "hinge") -> jax.Array:
+  """sum_i max(0, s_i - s_hat_i) / N ("hinge", the paper's) or sum_i |s_i - s_hat_i| / N
+  ("two_sided") with s_hat_i = mean over real tokens of 1 - p at block i: prob `[B, L, T]`,
+  sparsity `[N]`, real `[B, T]`."""
   weight = real.astype(jnp.float32)[:, None, :]
   achieved = jnp.sum((1.0 - prob) * weight, axis=(0, 2)) / jnp.sum(weight[:, 0])  # [L]
-  return jnp.sum(jnp.maximum(0.0, sparsity - achieved)) / sparsity.shape[0]
+  gap = sparsity - achieved
+  per_block = jnp.abs(gap) if form == "two_sided" else jnp.maximum(0.0, gap)
+  return jnp.sum(per_block) / sparsity.shape[0]
+
+
+def level_only(prob: jax.Array, bias: jax.Array) -> jax.Array:
+  """prob `[...]` with its gradient reaching only `bias` (the output bias every logit
+  shares): sigmoid(stop_gradient(logit p) + bias - stop_gradient(bias)). A term on it
+  moves the level of every p alike, which never changes a top-k decision."""
+  p = jnp.clip(prob, 1e-6, 1.0 - 1e-6)
+  logit = jnp.log(p) - jnp.log1p(-p)
+  return jax.nn.sigmoid(jax.lax.stop_gradient(logit) + bias - jax.lax.stop_gradient(bias))
 
 
 def distill_kl(dense_logp: jax.Array, logits: jax.Array, real: jax.Array) -> jax.Array:
@@ -94,15 +171,51 @@ def distill_kl(dense_logp: jax.Array, logits: jax.Array, real: jax.Array) -> jax
   return jnp.sum(kl * weight) / jnp.sum(weight)
 
 
+def training_route(router, sparsity: jax.Array, counts: jax.Array, gate: str = "straight_through"):
+  """The route the loss runs: the dynamic router in top-k mode (sparsity `[N]`, counts
+  `[N, T + 1]`). gate "straight_through": every token's gate carries the router's
+  gradient (the paper's); "kept": only the kept tokens' gates do (a skipped token's gate
+  is 0 with no gradient), so the distillation moves p by what computing a token does,
+  never by a first-order guess at what computing a skipped one would do."""
+  route = routers.array_dynamic_route(router, sparsity, counts, "topk")
+  if gate == "straight_through":
+    return route
+
+  def kept_only(ctx, carry):
+    decision, carry = route(ctx, carry)
+    ones = jnp.ones_like(decision.prob)
+    gate_value = decision.keep.astype(decision.prob.dtype) * straight_through(ones,
+                                                                              decision.prob)
+    return decision._replace(gate=gate_value), carry
+
+  return kept_only
+
+
+def routed_forward(params, config: LlamaConfig, router, tokens, lengths, sparsity, counts,
+                   gate: str = "straight_through") -> pm.PrunedOutput:
+  """`evaluate.pruned_forward` of the dynamic router under `training_route`."""
+  cache = new_pruned_cache(config, tokens.shape[0], tokens.shape[1])
+  route = training_route(router, sparsity, counts, gate)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  return pm.forward(params, config, tokens, positions, cache, route, lengths)
+
+
 def router_loss(router, params, tokens, lengths, static_mask, dense_logp, sparsity, counts,
-                weight, *, config: LlamaConfig):
-  """(L, {"guide", "sparse", "distill", "total"}) of one batch."""
-  out = ev.pruned_forward(params, config, tokens, lengths, None, router, sparsity, counts)
+                weight, *, config: LlamaConfig, settings: RouterSettings | None = None):
+  """(L, {"guide", "sparse", "distill", "total"}) of one batch; dense_logp `[B, T, V]`."""
+  settings = settings or RouterSettings()
+  out = routed_forward(params, config, router, tokens, lengths, sparsity, counts,
+                       settings.gate)
   real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  level_prob = out.prob
+  if settings.sparse == "level":
+    level_prob = level_only(out.prob, router["b2"][0])
+  form = "hinge" if settings.sparse == "hinge" else "two_sided"
   terms = {"guide": guide_bce(out.prob, static_mask, real),
-           "sparse": sparsity_term(out.prob, sparsity, real),
+           "sparse": sparsity_term(level_prob, sparsity, real, form),
            "distill": distill_kl(dense_logp, out.logits, real)}
-  total = weight * terms["guide"] + terms["sparse"] + terms["distill"]
+  total = (weight * terms["guide"] + settings.sparse_weight * terms["sparse"]
+           + settings.distill_weight * terms["distill"])
   return total, dict(terms, total=total)
 
 
@@ -114,13 +227,101 @@ def optimizer(settings: RouterSettings) -> optax.GradientTransformation:
 @functools.partial(jax.jit, static_argnames=("config", "settings"))
 def train_step(router, opt_state, step, params, tokens, lengths, static_mask, dense_logp,
                sparsity, counts, *, config: LlamaConfig, settings: RouterSettings):
-  """One AdamW step on the router: returns (router, opt_state, terms)."""
-  weight = guide_weight(step, settings.steps, settings.guide_fraction)
+  """One AdamW step on the router: returns (router, opt_state, terms). dense_logp
+  `[B, T, V]`, or None: the frozen dense model's log-probabilities of this batch are
+  computed here (so a run never holds them for all its rows)."""
+  if dense_logp is None:
+    dense_logp = jax.lax.stop_gradient(
+        ev.dense_logprobs(params, tokens, lengths, config=config))
+  weight = guide_weight(step, settings.steps, settings.guide_fraction, settings.guide_floor)
   grads, terms = jax.grad(router_loss, has_aux=True)(
       router, params, tokens, lengths, static_mask, dense_logp, sparsity, counts, weight,
-      config=config)
+      config=config, settings=settings)
   updates, opt_state = optimizer(settings).update(grads, opt_state, router)
   return optax.apply_updates(router, updates), opt_state, terms
+
+
+# -------------------------------------------------------------------------- monitoring
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _heldout_batch(router, params, tokens, lengths, sparsity, counts, *,
+                   config: LlamaConfig):
+  dense = ev.dense_logprobs(params, tokens, lengths, config=config)
+  out = ev.pruned_forward(params, config, tokens, lengths, None, router, sparsity, counts)
+  real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  weight = real.astype(jnp.float32)
+  logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
+  kl = jnp.sum(jnp.sum(jnp.exp(dense) * (dense - logp), axis=-1) * weight)
+  prob = jnp.where(real[:, None, :], out.prob, 0.0)
+  half = jnp.where(real[:, None, :], out.prob >= 0.5, False)
+  return kl, jnp.sum(weight), jnp.sum(prob, axis=(0, 2)), jnp.sum(half, axis=(0, 2))
+
+
+def heldout_stats(params, config: LlamaConfig, router, schedule: Sequence[float],
+                  tokens: np.ndarray, lengths: np.ndarray | None = None,
+                  batch_size: int = 4) -> dict:
+  """The router on fixed rows `tokens [R, T]` (top-k, as trained): {"kl": mean
+  KL(dense || pruned) over real tokens, "mean_p": [N] mean keep probability per block,
+  "keep_half": [N] fraction of real tokens with p >= 0.5 (what the paper's decode rule
+  would keep)}. Rows are taken `batch_size` at a time (the last batch may be smaller)."""
+  tokens = np.asarray(tokens, np.int32)
+  lengths = (np.full((len(tokens),), tokens.shape[1], np.int32) if lengths is None
+             else np.asarray(lengths, np.int32))
+  sparsity = jnp.asarray(schedule, jnp.float32)
+  counts = jnp.asarray(routers.count_tables(schedule, tokens.shape[1]))
+  kl = real = 0.0
+  prob = half = 0.0
+  for start in range(0, len(tokens), batch_size):
+    k, r, p, h = jax.device_get(_heldout_batch(
+        router, params, jnp.asarray(tokens[start:start + batch_size]),
+        jnp.asarray(lengths[start:start + batch_size]), sparsity, counts, config=config))
+    kl, real, prob, half = kl + float(k), real + float(r), prob + p, half + h
+  return {"kl": kl / real, "mean_p": [float(v) for v in prob / real],
+          "keep_half": [float(v) for v in half / real]}
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _route_probs(router, params, tokens, lengths, sparsity, counts, *, config: LlamaConfig):
+  return ev.pruned_forward(params, config, tokens, lengths, None, router, sparsity, counts,
+                           compute_logits=False).prob
+
+
+def calibrate_thresholds(params, config: LlamaConfig, router, schedule: Sequence[float],
+                         tokens: np.ndarray, lengths: np.ndarray | None = None,
+                         batch_size: int = 4) -> tuple[float, ...]:
+  """Per-block decode thresholds tau `[N]` that make the decode rule p >= tau_i keep, on
+  rows `tokens [R, T]`, the fraction of tokens 1..n-1 the prefill's top-k keeps there:
+  tau_i = the q_i-th largest probability of block i (top-k route, as trained), with q_i
+  = sum over rows of (k_i(n) - 1) (token 0 is kept by rule); 0.0 at a dense block. So the
+  decode rule is the top-k decision of an average row, whatever level p has settled at
+  (top-k never fixes it)."""
+  schedule = check_schedule(schedule, config.num_layers)
+  tokens = np.asarray(tokens, np.int32)
+  num = tokens.shape[1]
+  lengths = (np.full((len(tokens),), num, np.int32) if lengths is None
+             else np.asarray(lengths, np.int32))
+  sparsity = jnp.asarray(schedule, jnp.float32)
+  counts_table = routers.count_tables(schedule, num)
+  counts = jnp.asarray(counts_table)
+  probs = []
+  for start in range(0, len(tokens), batch_size):
+    probs.append(np.asarray(_route_probs(
+        router, params, jnp.asarray(tokens[start:start + batch_size]),
+        jnp.asarray(lengths[start:start + batch_size]), sparsity, counts, config=config)))
+  prob = np.concatenate(probs)  # [R, L, T]
+  eligible = (np.arange(num)[None, :] < lengths[:, None]) & (np.arange(num)[None, :] > 0)
+  out = []
+  for i, s in enumerate(schedule):
+    if s == 0.0:
+      out.append(0.0)
+      continue
+    values = np.sort(prob[:, i][eligible])[::-1]
+    kept = int(np.sum(counts_table[i][lengths] - 1))
+    if kept <= 0:  # keep nothing but token 0: above every probability
+      out.append(float(np.nextafter(np.float32(values[0]), np.float32(np.inf))))
+    else:
+      out.append(float(values[min(kept, len(values)) - 1]))
+  return tuple(out)
 
 
 # ------------------------------------------------------------------------------ data
@@ -216,13 +417,20 @@ def load_router(path: str, allow_nonfinite: bool = False
 def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequence[float],
                  settings: RouterSettings, out_dir: str, lengths: np.ndarray | None = None,
                  progress: bool = True, stop_after: int | None = None,
-                 dense_logp: np.ndarray | None = None, inputs: str = "factors") -> dict:
+                 dense_logp: np.ndarray | None = None, inputs: str = "factors",
+                 heldout: np.ndarray | None = None, calib_rows: int = 64) -> dict:
   """Trains the router on rows `tokens [R, T]` under `schedule`; checkpoints in
   `out_dir/checkpoints`, resumes from the latest one. Returns {"router", "history" (the
-  terms of this call's steps), "step"}; writes `out_dir/router.json` when finished.
+  terms of this call's steps), "heldout" (every evaluation of the run so far), "step",
+  "thresholds" (when finished)}; writes `out_dir/router.json` when finished.
   stop_after: return after that many steps of this call (to test resumption).
+  dense_logp: the dense log-probabilities `[R, T, V]` of every row, or None (default):
+  computed batch by batch inside the step, so R is bounded by the data, not memory.
   inputs: "factors" (the 4 -> 64 -> 1 router) or "hidden" (D -> 64 -> 1 on the hidden
-  state entering each block)."""
+  state entering each block).
+  heldout: fixed full rows `[H, T]` on which `heldout_stats` is taken at step 0, every
+  `settings.eval_every` steps and at the end (kept in the checkpoints' meta).
+  calib_rows: the first rows on which the decode thresholds are calibrated."""
   from jakiro_jax.train.checkpoints import TrainCheckpoints
 
   settings.check()
@@ -232,8 +440,6 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
   num_rows, num = tokens.shape
   lengths = (np.full((num_rows,), num, np.int32) if lengths is None
              else np.asarray(lengths, np.int32))
-  if dense_logp is None:
-    dense_logp = dense_table(params, config, tokens, lengths, settings.batch_size)
   static_masks = routers.static_keep_mask(schedule, lengths, num)
   sparsity = jnp.asarray(schedule, jnp.float32)
   counts = jnp.asarray(routers.count_tables(schedule, num))
@@ -245,7 +451,7 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
           "rows": num_rows, "length": num, "inputs": inputs}
   os.makedirs(out_dir, exist_ok=True)
   checkpoints = TrainCheckpoints(os.path.join(out_dir, CHECKPOINT_DIR))
-  history = []
+  history, evals = [], []
   try:
     latest = checkpoints.latest_step()
     if latest is not None:
@@ -265,26 +471,41 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
       if saved.get("schedule") != meta["schedule"] or saved.get("settings") != meta["settings"]:
         raise ValueError(f"{out_dir} holds a run with another schedule or settings; use "
                          f"another --out_dir")
+      evals = [e for e in saved.get("heldout", []) if e["step"] <= latest]
     step = int(state["step"])
+    router, opt_state = state["router"], state["opt_state"]
+
+    def evaluate_heldout():
+      if heldout is not None and not any(e["step"] == step for e in evals):
+        stats = heldout_stats(params, config, router, schedule, heldout)
+        evals.append(dict(stats, step=step))
+        if progress:
+          print(f"step {step}: held-out KL {stats['kl']:.4f}", flush=True)
+
+    if step == 0:
+      evaluate_heldout()
     bar = None
     if progress:
       from tqdm import tqdm
       bar = tqdm(total=settings.steps, initial=step, desc="router", unit="step")
-    router, opt_state = state["router"], state["opt_state"]
     done_here = 0
     while step < settings.steps:
       rows = batch_rows(step, settings.batch_size, num_rows, settings.seed)
       router, opt_state, terms = train_step(
           router, opt_state, jnp.asarray(step, jnp.float32), params,
           jnp.asarray(tokens[rows]), jnp.asarray(lengths[rows]),
-          jnp.asarray(static_masks[rows]), jnp.asarray(dense_logp[rows]), sparsity, counts,
+          jnp.asarray(static_masks[rows]),
+          None if dense_logp is None else jnp.asarray(dense_logp[rows]), sparsity, counts,
           config=config, settings=settings)
       step += 1
       terms = {k: float(v) for k, v in terms.items()}
       history.append(terms)
+      if settings.eval_every and (step % settings.eval_every == 0 or step == settings.steps):
+        evaluate_heldout()
       if step % settings.save_every == 0 or step == settings.steps:
         checkpoints.save(step, {"router": router, "opt_state": opt_state,
-                                "step": jnp.asarray(step, jnp.int32)}, meta)
+                                "step": jnp.asarray(step, jnp.int32)},
+                         dict(meta, heldout=evals))
       if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{terms['total']:.3f}", kl=f"{terms['distill']:.3f}")
@@ -295,8 +516,13 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
       bar.close()
   finally:
     checkpoints.close()
+  result = {"router": router, "history": history, "heldout": evals, "step": step}
   if step == settings.steps:
+    if not settings.eval_every:
+      evaluate_heldout()
+    result["thresholds"] = calibrate_thresholds(params, config, router, schedule,
+                                                tokens[:calib_rows], lengths[:calib_rows])
     save_router(os.path.join(out_dir, ROUTER_FILE), router, schedule,
                 {"steps": settings.steps, "settings": dataclasses.asdict(settings),
-                 "inputs": inputs})
-  return {"router": router, "history": history, "step": step}
+                 "inputs": inputs, "heldout": evals, "thresholds": result["thresholds"]})
+  return result
