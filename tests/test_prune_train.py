@@ -231,6 +231,9 @@ def test_decode_rule_keeps_what_top_k_keeps_after_training(setup, tmp_path, sett
   thresholds = tuple(record["thresholds"])
   assert thresholds == run["thresholds"] and thresholds[0] == 0.0  # block 0 is dense
   rule = 0.5 if settings == "paper" else thresholds
+  # step 0 logs the guide's target: the static rule's KL on the same rows
+  assert run["heldout"][0]["static_kl"] == pytest.approx(
+      tr.static_kl(params, config, SCHEDULE, tokens), rel=1e-5)
   held = np.asarray(tokens_of(7, 4, tokens.shape[1]))
   keep = _threshold_keep(config, params, router, rule, held)
   np.testing.assert_allclose(keep, _top_k_fraction(tokens.shape[1]), atol=0.15)
@@ -318,3 +321,15 @@ def test_sparsity_forms_and_guide_floor_by_hand():
     tr.RouterSettings(sparse="both").check()
   with pytest.raises(ValueError, match="gate 'soft' is not one of"):
     tr.RouterSettings(gate="soft").check()
+
+
+def test_static_kl_is_the_static_masks_kl_over_real_tokens(setup):
+  config, params, tokens, lengths, dense = setup
+  keep = routers.static_keep_mask(SCHEDULE, lengths, tokens.shape[1])
+  out = tr.ev.pruned_forward(params, config, jnp.asarray(tokens), jnp.asarray(lengths),
+                             jnp.asarray(keep))
+  real = jnp.arange(tokens.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
+  want = float(tr.distill_kl(jnp.asarray(dense), out.logits, real))
+  # batches of one row: the per-row sums are weighted by each row's real tokens
+  got = tr.static_kl(params, config, SCHEDULE, tokens, lengths, batch_size=1)
+  assert got == pytest.approx(want, rel=1e-4) and got > 0.0

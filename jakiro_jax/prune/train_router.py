@@ -281,6 +281,34 @@ def heldout_stats(params, config: LlamaConfig, router, schedule: Sequence[float]
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
+def _static_batch(params, tokens, lengths, keep, *, config: LlamaConfig):
+  dense = ev.dense_logprobs(params, tokens, lengths, config=config)
+  out = ev.pruned_forward(params, config, tokens, lengths, keep)
+  real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  return distill_kl(dense, out.logits, real) * jnp.sum(real), jnp.sum(real)
+
+
+def static_kl(params, config: LlamaConfig, schedule: Sequence[float], tokens: np.ndarray,
+              lengths: np.ndarray | None = None, batch_size: int = 4) -> float:
+  """Mean KL(dense || pruned) over the real tokens of rows `tokens [R, T]` under the
+  static rule, the guide's target: when it is above the untrained router's KL, the guide
+  pulls the router towards a worse rule, and the held-out KL rises while the guide is on
+  (logged at step 0 of every run as "static_kl")."""
+  tokens = np.asarray(tokens, np.int32)
+  lengths = (np.full((len(tokens),), tokens.shape[1], np.int32) if lengths is None
+             else np.asarray(lengths, np.int32))
+  keep = routers.static_keep_mask(schedule, lengths, tokens.shape[1])
+  total = real = 0.0
+  for start in range(0, len(tokens), batch_size):
+    part = slice(start, start + batch_size)
+    k, r = jax.device_get(_static_batch(params, jnp.asarray(tokens[part]),
+                                        jnp.asarray(lengths[part]), jnp.asarray(keep[part]),
+                                        config=config))
+    total, real = total + float(k), real + float(r)
+  return total / real
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
 def _route_probs(router, params, tokens, lengths, sparsity, counts, *, config: LlamaConfig):
   return ev.pruned_forward(params, config, tokens, lengths, None, router, sparsity, counts,
                            compute_logits=False).prob
@@ -477,10 +505,16 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
 
     def evaluate_heldout():
       if heldout is not None and not any(e["step"] == step for e in evals):
-        stats = heldout_stats(params, config, router, schedule, heldout)
-        evals.append(dict(stats, step=step))
+        stats = dict(heldout_stats(params, config, router, schedule, heldout), step=step)
+        if step == 0:
+          stats["static_kl"] = static_kl(params, config, schedule, heldout)
+        evals.append(stats)
         if progress:
           print(f"step {step}: held-out KL {stats['kl']:.4f}", flush=True)
+          if step == 0:
+            print(f"  the static rule (the guide's target): {stats['static_kl']:.4f}"
+                  + (" -- above the untrained router: the guide will raise the KL while"
+                     " it is on" if stats["static_kl"] > stats["kl"] else ""), flush=True)
 
     if step == 0:
       evaluate_heldout()
