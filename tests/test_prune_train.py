@@ -333,3 +333,25 @@ def test_static_kl_is_the_static_masks_kl_over_real_tokens(setup):
   # batches of one row: the per-row sums are weighted by each row's real tokens
   got = tr.static_kl(params, config, SCHEDULE, tokens, lengths, batch_size=1)
   assert got == pytest.approx(want, rel=1e-4) and got > 0.0
+
+
+def test_select_heldout_keeps_the_evaluated_router_of_lowest_kl(setup, tmp_path):
+  config, params, tokens, _, _ = setup
+  settings = tr.RouterSettings(steps=6, batch_size=2, lr=1e-1, guide_fraction=0.2,
+                               save_every=2, eval_every=2, select="heldout", seed=0)
+  run = tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path),
+                        progress=False, heldout=tokens)
+  kls = {e["step"]: e["kl"] for e in run["heldout"]}
+  assert sorted(kls) == [0, 2, 4, 6]
+  assert run["selected_step"] == min(kls, key=kls.get)
+  again = tr.heldout_stats(params, config, run["router"], SCHEDULE, tokens)["kl"]
+  assert again == pytest.approx(min(kls.values()), rel=1e-6)
+  router, _, record = tr.load_router(str(tmp_path))
+  assert record["selected_step"] == run["selected_step"]
+  for k in router:
+    np.testing.assert_array_equal(np.asarray(router[k]), np.asarray(run["router"][k]))
+  with pytest.raises(ValueError, match="give the held-out rows"):
+    tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path / "x"),
+                    progress=False)
+  with pytest.raises(ValueError, match="select 'best' is not one of"):
+    tr.RouterSettings(select="best").check()
