@@ -327,5 +327,8 @@ def test_eval_keeps_the_search_in_the_run_directory(setup, tmp_path, monkeypatch
                       lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
   assert pipeline.blockpruner_search(target, run, calib, 0.6, str(tmp_path)) == first
   assert calls == []  # read back, not searched again
+  # a fine-tuned schedule's mean sparsity, off in the last bits, reads it back too
+  assert pipeline.blockpruner_search(target, run, calib, 0.6 - 1e-12, str(tmp_path)) == first
+  assert calls == []
   other = pipeline.blockpruner_search(target, run, calib, 0.3, str(tmp_path))
   assert calls == [0.3] and other["budget"] == 0.3
