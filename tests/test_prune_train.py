@@ -3,6 +3,7 @@ interrupted and resumed from its checkpoint ends bit-identical to an uninterrupt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -341,7 +342,8 @@ def test_select_heldout_keeps_the_evaluated_router_of_lowest_kl(setup, tmp_path)
                                save_every=2, eval_every=2, select="heldout", seed=0)
   run = tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path),
                         progress=False, heldout=tokens)
-  kls = {e["step"]: e["kl"] for e in run["heldout"]}
+  kls = {e["step"]: e["objective"] for e in run["heldout"]}
+  assert all(e["objective"] == e["kl"] for e in run["heldout"])  # tail_weight 0
   assert sorted(kls) == [0, 2, 4, 6]
   assert run["selected_step"] == min(kls, key=kls.get)
   again = tr.heldout_stats(params, config, run["router"], SCHEDULE, tokens)["kl"]
@@ -355,3 +357,25 @@ def test_select_heldout_keeps_the_evaluated_router_of_lowest_kl(setup, tmp_path)
                     progress=False)
   with pytest.raises(ValueError, match="select 'best' is not one of"):
     tr.RouterSettings(select="best").check()
+
+
+def test_tail_term_weighs_the_last_tokens_of_each_row(setup):
+  config, params, tokens, lengths, dense = setup
+  lengths = np.asarray([10, 7, 3, 10], np.int32)
+  mask = np.asarray(tr.tail_mask(jnp.asarray(lengths), 10, 4))
+  np.testing.assert_array_equal(mask.sum(axis=1), [4, 4, 3, 4])
+  assert mask[1, 3:7].all() and not mask[1, 7:].any() and not mask[1, :3].any()
+  router = routers.init_router(3)
+  base = tr.RouterSettings(tail_tokens=4)
+  args = (router, params, jnp.asarray(tokens), jnp.asarray(lengths),
+          jnp.asarray(routers.static_keep_mask(SCHEDULE, lengths, 10)), jnp.asarray(dense),
+          jnp.asarray(SCHEDULE, jnp.float32), jnp.asarray(routers.count_tables(SCHEDULE, 10)),
+          0.0)
+  plain, terms = tr.router_loss(*args, config=config, settings=base)
+  tailed, _ = tr.router_loss(*args, config=config,
+                             settings=dataclasses.replace(base, tail_weight=2.0))
+  assert float(tailed) == pytest.approx(float(plain) + 2.0 * float(terms["distill_tail"]),
+                                        rel=1e-5)
+  stats = tr.heldout_stats(params, config, router, SCHEDULE, tokens, lengths, tail_tokens=4)
+  assert stats["kl_tail"] == pytest.approx(float(terms["distill_tail"]), rel=1e-4)
+  assert stats["kl"] == pytest.approx(float(terms["distill"]), rel=1e-4)

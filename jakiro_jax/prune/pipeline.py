@@ -246,7 +246,7 @@ def router_settings(config):
                 weight_decay=r.weight_decay, clip=r.clip, guide_fraction=r.guide_fraction,
                 save_every=r.save_every, seed=config.seed)
   for key in ("guide_floor", "sparse", "sparse_weight", "distill_weight", "gate",
-              "eval_every", "select"):
+              "eval_every", "select", "tail_weight", "tail_tokens"):
     if key in r:
       values[key] = r[key]
   return tr.RouterSettings(**values)

@@ -110,6 +110,8 @@ class RouterSettings:
   sparse: str = "level"
   sparse_weight: float = 1.0
   distill_weight: float = 1.0
+  tail_weight: float = 0.0
+  tail_tokens: int = 8
   gate: str = "kept"
   save_every: int = 20
   eval_every: int = 0
@@ -132,6 +134,9 @@ class RouterSettings:
       raise ValueError(f"gate {self.gate!r} is not one of {GATES}")
     if self.select not in SELECT:
       raise ValueError(f"select {self.select!r} is not one of {SELECT}")
+    if self.tail_weight < 0.0 or self.tail_tokens < 1:
+      raise ValueError(f"tail_weight {self.tail_weight} must be >= 0 and tail_tokens "
+                       f"{self.tail_tokens} >= 1")
     if self.eval_every < 0:
       raise ValueError(f"eval_every {self.eval_every} must be >= 0 (0: never)")
 
@@ -182,6 +187,13 @@ def distill_kl(dense_logp: jax.Array, logits: jax.Array, real: jax.Array) -> jax
   return jnp.sum(kl * weight) / jnp.sum(weight)
 
 
+def tail_mask(lengths: jax.Array, num: int, tail: int) -> jax.Array:
+  """`[B, T]` bool: the last `tail` real tokens of each row (lengths `[B]`), the positions
+  whose predictions a prompt's continuation depends on."""
+  t = jnp.arange(num)[None, :]
+  return (t < lengths[:, None]) & (t >= lengths[:, None] - tail)
+
+
 def training_route(router, sparsity: jax.Array, counts: jax.Array, gate: str = "straight_through"):
   """The route the loss runs: the dynamic router in top-k mode (sparsity `[N]`, counts
   `[N, T + 1]`). gate "straight_through": every token's gate carries the router's
@@ -224,9 +236,13 @@ def router_loss(router, params, tokens, lengths, static_mask, dense_logp, sparsi
   form = "hinge" if settings.sparse == "hinge" else "two_sided"
   terms = {"guide": guide_bce(out.prob, static_mask, real),
            "sparse": sparsity_term(level_prob, sparsity, real, form),
-           "distill": distill_kl(dense_logp, out.logits, real)}
+           "distill": distill_kl(dense_logp, out.logits, real),
+           "distill_tail": distill_kl(dense_logp, out.logits,
+                                      tail_mask(lengths, tokens.shape[1],
+                                                settings.tail_tokens))}
   total = (weight * terms["guide"] + settings.sparse_weight * terms["sparse"]
-           + settings.distill_weight * terms["distill"])
+           + settings.distill_weight * terms["distill"]
+           + settings.tail_weight * terms["distill_tail"])
   return total, dict(terms, total=total)
 
 
@@ -256,38 +272,45 @@ def train_step(router, opt_state, step, params, tokens, lengths, static_mask, de
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _heldout_batch(router, params, tokens, lengths, sparsity, counts, *,
-                   config: LlamaConfig):
+                   config: LlamaConfig, tail: int):
   dense = ev.dense_logprobs(params, tokens, lengths, config=config)
   out = ev.pruned_forward(params, config, tokens, lengths, None, router, sparsity, counts)
   real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
   weight = real.astype(jnp.float32)
   logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
-  kl = jnp.sum(jnp.sum(jnp.exp(dense) * (dense - logp), axis=-1) * weight)
+  per_token = jnp.sum(jnp.exp(dense) * (dense - logp), axis=-1)  # [B, T]
+  kl = jnp.sum(per_token * weight)
+  last = tail_mask(lengths, tokens.shape[1], tail)
   prob = jnp.where(real[:, None, :], out.prob, 0.0)
   half = jnp.where(real[:, None, :], out.prob >= 0.5, False)
-  return kl, jnp.sum(weight), jnp.sum(prob, axis=(0, 2)), jnp.sum(half, axis=(0, 2))
+  return (kl, jnp.sum(weight), jnp.sum(prob, axis=(0, 2)), jnp.sum(half, axis=(0, 2)),
+          jnp.sum(jnp.where(last, per_token, 0.0)), jnp.sum(last))
 
 
 def heldout_stats(params, config: LlamaConfig, router, schedule: Sequence[float],
                   tokens: np.ndarray, lengths: np.ndarray | None = None,
-                  batch_size: int = 4) -> dict:
+                  batch_size: int = 4, tail_tokens: int = 8) -> dict:
   """The router on fixed rows `tokens [R, T]` (top-k, as trained): {"kl": mean
-  KL(dense || pruned) over real tokens, "mean_p": [N] mean keep probability per block,
-  "keep_half": [N] fraction of real tokens with p >= 0.5 (what the paper's decode rule
-  would keep)}. Rows are taken `batch_size` at a time (the last batch may be smaller)."""
+  KL(dense || pruned) over real tokens, "kl_tail": the same over each row's last
+  `tail_tokens` real tokens, "mean_p": [N] mean keep probability per block, "keep_half":
+  [N] fraction of real tokens with p >= 0.5 (what the paper's decode rule would keep)}.
+  Rows are taken `batch_size` at a time (the last batch may be smaller)."""
   tokens = np.asarray(tokens, np.int32)
   lengths = (np.full((len(tokens),), tokens.shape[1], np.int32) if lengths is None
              else np.asarray(lengths, np.int32))
   sparsity = jnp.asarray(schedule, jnp.float32)
   counts = jnp.asarray(routers.count_tables(schedule, tokens.shape[1]))
-  kl = real = 0.0
+  kl = real = kl_tail = num_tail = 0.0
   prob = half = 0.0
   for start in range(0, len(tokens), batch_size):
-    k, r, p, h = jax.device_get(_heldout_batch(
+    k, r, p, h, kt, nt = jax.device_get(_heldout_batch(
         router, params, jnp.asarray(tokens[start:start + batch_size]),
-        jnp.asarray(lengths[start:start + batch_size]), sparsity, counts, config=config))
+        jnp.asarray(lengths[start:start + batch_size]), sparsity, counts, config=config,
+        tail=tail_tokens))
     kl, real, prob, half = kl + float(k), real + float(r), prob + p, half + h
-  return {"kl": kl / real, "mean_p": [float(v) for v in prob / real],
+    kl_tail, num_tail = kl_tail + float(kt), num_tail + float(nt)
+  return {"kl": kl / real, "kl_tail": kl_tail / num_tail,
+          "mean_p": [float(v) for v in prob / real],
           "keep_half": [float(v) for v in half / real]}
 
 
@@ -523,15 +546,20 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
 
     def evaluate_heldout():
       if heldout is not None and not any(e["step"] == step for e in evals):
-        stats = dict(heldout_stats(params, config, router, schedule, heldout), step=step)
+        stats = dict(heldout_stats(params, config, router, schedule, heldout,
+                                   tail_tokens=settings.tail_tokens), step=step)
+        # what the run minimises of the distillation, on the held-out rows
+        stats["objective"] = (settings.distill_weight * stats["kl"]
+                              + settings.tail_weight * stats["kl_tail"])
         if step == 0:
           stats["static_kl"] = static_kl(params, config, schedule, heldout)
         evals.append(stats)
-        if not best or stats["kl"] < best["kl"]:
-          best.update(step=step, kl=stats["kl"],
+        if not best or stats["objective"] < best["objective"]:
+          best.update(step=step, objective=stats["objective"],
                       router={k: np.asarray(v).tolist() for k, v in router.items()})
         if progress:
-          print(f"step {step}: held-out KL {stats['kl']:.4f}", flush=True)
+          print(f"step {step}: held-out KL {stats['kl']:.4f} (last {settings.tail_tokens} "
+                f"tokens of each row: {stats['kl_tail']:.4f})", flush=True)
           if step == 0:
             print(f"  the static rule (the guide's target): {stats['static_kl']:.4f}"
                   + (" -- above the untrained router: the guide will raise the KL while"
@@ -579,8 +607,8 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
       router = {k: jnp.asarray(v, jnp.float32) for k, v in best["router"].items()}
       result.update(router=router, selected_step=best["step"])
       if progress:
-        print(f"kept the router of step {best['step']} (lowest held-out KL, "
-              f"{best['kl']:.4f})", flush=True)
+        print(f"kept the router of step {best['step']} (lowest held-out distillation "
+              f"objective, {best['objective']:.4f})", flush=True)
     result["thresholds"] = calibrate_thresholds(params, config, router, schedule,
                                                 tokens[:calib_rows], lengths[:calib_rows])
     save_router(os.path.join(out_dir, ROUTER_FILE), router, schedule,
