@@ -352,6 +352,15 @@ def test_select_heldout_keeps_the_evaluated_router_of_lowest_kl(setup, tmp_path)
   assert record["selected_step"] == run["selected_step"]
   for k in router:
     np.testing.assert_array_equal(np.asarray(router[k]), np.asarray(run["router"][k]))
+  # killed after step 3 (last checkpoint: step 2), resumed: the same router is kept
+  part = tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path / "r"),
+                         progress=False, heldout=tokens, stop_after=3)
+  assert "selected_step" not in part
+  resumed = tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path / "r"),
+                            progress=False, heldout=tokens)
+  assert resumed["selected_step"] == run["selected_step"]
+  for k in router:
+    np.testing.assert_array_equal(np.asarray(resumed["router"][k]), np.asarray(router[k]))
   with pytest.raises(ValueError, match="give the held-out rows"):
     tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path / "x"),
                     progress=False)
