@@ -65,12 +65,13 @@ def get_config() -> ml_collections.ConfigDict:
   # "static_kl"), so a long guide raised the KL. select: "heldout" keeps the router of
   # lowest KL on the held-out rows (evaluated every eval_every steps), "last" the last
   # step's (the held-out KL wandered 2.98-3.25 after step 100). calib_rows: rows the
-  # decode thresholds are calibrated on.
+  # decode thresholds are calibrated on. tail_weight: weight of a second KL term over the
+  # last tail_tokens tokens of each row (the predictions a continuation starts from).
   c.router = ml_collections.ConfigDict(dict(
       steps=500, batch_size=2, rows=2048, length=128, lr=1e-3, weight_decay=0.0, clip=1.0,
       guide_fraction=0.02, guide_floor=0.0, sparse="level", sparse_weight=1.0,
       gate="kept", save_every=50, eval_every=50, select="heldout", heldout_rows=8,
-      calib_rows=64, inputs="factors"))
+      calib_rows=64, tail_weight=0.0, tail_tokens=8, inputs="factors"))
 
   # Held-out evaluation. MC-style scoring (ARC-Easy, and cloze items from natural text,
   # `prune.tasks.cloze_items`: a 30-word passage, its next 8 words against 3 segments of
