@@ -125,15 +125,12 @@ class RouterSettings:
       raise ValueError(f"guide_fraction {self.guide_fraction} must lie in (0, 1]")
     if not 0.0 <= self.guide_floor <= 1.0:
       raise ValueError(f"guide_floor {self.guide_floor} must lie in [0, 1]")
-    if self.sparse not in SPARSE_FORMS:
-      raise ValueError(f"sparse {self.sparse!r} is not one of {SPARSE_FORMS}")
+    for name, choices in (("sparse", SPARSE_FORMS), ("gate", GATES), ("select", SELECT)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f"{name} {getattr(self, name)!r} is not one of {choices}")
     if self.sparse_weight < 0.0 or self.distill_weight < 0.0:
       raise ValueError(f"sparse_weight {self.sparse_weight} and distill_weight "
                        f"{self.distill_weight} must be >= 0")
-    if self.gate not in GATES:
-      raise ValueError(f"gate {self.gate!r} is not one of {GATES}")
-    if self.select not in SELECT:
-      raise ValueError(f"select {self.select!r} is not one of {SELECT}")
     if self.tail_weight < 0.0 or self.tail_tokens < 1:
       raise ValueError(f"tail_weight {self.tail_weight} must be >= 0 and tail_tokens "
                        f"{self.tail_tokens} >= 1")
