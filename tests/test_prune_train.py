@@ -388,3 +388,19 @@ def test_tail_term_weighs_the_last_tokens_of_each_row(setup):
   stats = tr.heldout_stats(params, config, router, SCHEDULE, tokens, lengths, tail_tokens=4)
   assert stats["kl_tail"] == pytest.approx(float(terms["distill_tail"]), rel=1e-4)
   assert stats["kl"] == pytest.approx(float(terms["distill"]), rel=1e-4)
+
+
+def test_router_settings_take_every_field_the_config_sets():
+  from configs import smollm2_135m_ftp
+  from jakiro_jax.prune import pipeline
+  config = smollm2_135m_ftp.get_config()
+  config.seed = 7
+  config.router.tail_weight = 2.5
+  settings = pipeline.router_settings(config)
+  set_here = [f.name for f in dataclasses.fields(tr.RouterSettings) if f.name in config.router]
+  assert len(set_here) >= 15  # all but seed and distill_weight
+  for name in set_here:
+    assert getattr(settings, name) == config.router[name], name
+  assert settings.distill_weight == tr.RouterSettings().distill_weight  # not set: default
+  assert settings.seed == 7 and settings.tail_weight == 2.5
+  settings.check()

@@ -237,19 +237,14 @@ def read_schedule(out_dir) -> tuple:
 
 
 def router_settings(config):
-  """`train_router.RouterSettings` of the config's router block (keys it lacks keep their
-  defaults)."""
+  """`train_router.RouterSettings` of the config's router block (fields it lacks keep
+  their defaults; the seed is the config's)."""
   from jakiro_jax.prune import train_router as tr
 
   r = config.router
-  values = dict(steps=r.steps, batch_size=r.batch_size, lr=r.lr,
-                weight_decay=r.weight_decay, clip=r.clip, guide_fraction=r.guide_fraction,
-                save_every=r.save_every, seed=config.seed)
-  for key in ("guide_floor", "sparse", "sparse_weight", "distill_weight", "gate",
-              "eval_every", "select", "tail_weight", "tail_tokens"):
-    if key in r:
-      values[key] = r[key]
-  return tr.RouterSettings(**values)
+  values = {f.name: r[f.name] for f in dataclasses.fields(tr.RouterSettings)
+            if f.name in r and f.name != "seed"}
+  return tr.RouterSettings(**values, seed=config.seed)
 
 
 def run_train(config, out_dir, paths) -> None:

@@ -272,11 +272,10 @@ def _heldout_batch(router, params, tokens, lengths, sparsity, counts, *,
                    config: LlamaConfig, tail: int):
   dense = ev.dense_logprobs(params, tokens, lengths, config=config)
   out = ev.pruned_forward(params, config, tokens, lengths, None, router, sparsity, counts)
-  real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  stats = ev.token_stats(dense, out.logits, tokens, lengths)
+  real, per_token = stats["real"], stats["kl"]  # [B, T]; kl is 0 past each row's length
   weight = real.astype(jnp.float32)
-  logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
-  per_token = jnp.sum(jnp.exp(dense) * (dense - logp), axis=-1)  # [B, T]
-  kl = jnp.sum(per_token * weight)
+  kl = jnp.sum(per_token)
   last = tail_mask(lengths, tokens.shape[1], tail)
   prob = jnp.where(real[:, None, :], out.prob, 0.0)
   half = jnp.where(real[:, None, :], out.prob >= 0.5, False)
@@ -311,32 +310,14 @@ def heldout_stats(params, config: LlamaConfig, router, schedule: Sequence[float]
           "keep_half": [float(v) for v in half / real]}
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _static_batch(params, tokens, lengths, keep, *, config: LlamaConfig):
-  dense = ev.dense_logprobs(params, tokens, lengths, config=config)
-  out = ev.pruned_forward(params, config, tokens, lengths, keep)
-  real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-  return distill_kl(dense, out.logits, real) * jnp.sum(real), jnp.sum(real)
-
-
 def static_kl(params, config: LlamaConfig, schedule: Sequence[float], tokens: np.ndarray,
               lengths: np.ndarray | None = None, batch_size: int = 4) -> float:
   """Mean KL(dense || pruned) over the real tokens of rows `tokens [R, T]` under the
   static rule, the guide's target: when it is above the untrained router's KL, the guide
   pulls the router towards a worse rule, and the held-out KL rises while the guide is on
   (logged at step 0 of every run as "static_kl")."""
-  tokens = np.asarray(tokens, np.int32)
-  lengths = (np.full((len(tokens),), tokens.shape[1], np.int32) if lengths is None
-             else np.asarray(lengths, np.int32))
-  keep = routers.static_keep_mask(schedule, lengths, tokens.shape[1])
-  total = real = 0.0
-  for start in range(0, len(tokens), batch_size):
-    part = slice(start, start + batch_size)
-    k, r = jax.device_get(_static_batch(params, jnp.asarray(tokens[part]),
-                                        jnp.asarray(lengths[part]), jnp.asarray(keep[part]),
-                                        config=config))
-    total, real = total + float(k), real + float(r)
-  return total / real
+  static = ev.Method("static", "static", tuple(schedule))
+  return ev.compare(params, config, [static], tokens, lengths, batch_size)["static"]["kl"]
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
