@@ -67,6 +67,37 @@ def smollm2_hf(smollm2):
   return torch_model_from_target(smollm2)
 
 
+# Most tests run tiny models, where XLA's optimizing passes cost far more than they save:
+# their modules' programs are compiled with `jax_disable_most_optimizations` (about 30% off
+# their time). Compiled as shipped: modules whose tests mostly run SmolLM2 (large enough for
+# the passes to pay), the compile reports (their figures are the optimized programs'), the
+# device report (it times programs) and the 10^5-sample statistical tests (run time, not
+# compile time). One setting per module, so that a module fixture and its tests, which
+# some compare bit for bit (a resumed training run), run the same programs.
+OPTIMIZED_MODULES = {"test_compile_report", "test_device_report", "test_sampling_lossless"}
+SMOLLM2_FIXTURES = {"smollm2", "smollm2_hf"}
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected what will not run
+def pytest_collection_modifyitems(config, items):
+  by_module = {}
+  for item in items:
+    by_module.setdefault(item.module.__name__, []).append(
+        bool(SMOLLM2_FIXTURES & set(item.fixturenames)))
+  for name, uses in by_module.items():
+    if 2 * sum(uses) > len(uses):
+      OPTIMIZED_MODULES.add(name.rsplit(".", 1)[-1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quick_compilation_for_tiny_models(request):
+  import jax
+  optimized = request.module.__name__.rsplit(".", 1)[-1] in OPTIMIZED_MODULES
+  jax.config.update("jax_disable_most_optimizations", not optimized)
+  yield
+  jax.config.update("jax_disable_most_optimizations", False)
+
+
 def random_prompts(rng: np.random.RandomState, vocab: int, lengths) -> list[list[int]]:
   return [list(rng.randint(4, vocab, size=n)) for n in lengths]
 

@@ -4,6 +4,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -22,14 +23,19 @@ PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold 
            "Give three tips for staying healthy."]
 
 
-def test_a_draft_ships_for_every_method():
+def test_a_draft_ships_for_every_method(smollm2):
   assert {f"smollm2-{m}" for m in METHODS} <= set(SHIPPED_DRAFTS)
+  for method in METHODS:  # each loads for the embedded target, finite, as its method
+    drafter, params = load_draft(f"smollm2-{method}", smollm2)
+    assert drafter.name == method and drafter.draft_vocab
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
-# EAGLE-2's drafter is the base of Jakiro's and Gumiho's (tested by default); its shipped
-# draft runs with -m slow.
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m == "eagle2"
-                                    else m for m in METHODS])
+# Jakiro's shipped draft by default; the others with -m slow (~35-55 s each of SmolLM2).
+# Each method's loading path is tested on tiny drafts (tests/test_export.py round trips,
+# tests/test_draft_io.py), and its losslessness on tiny targets.
+@pytest.mark.parametrize("method", [m if m == "jakiro" else pytest.param(m, marks=pytest.mark.slow)
+                                    for m in METHODS])
 def test_shipped_draft_is_lossless_and_accepts_tokens(smollm2, method):
   drafter, params = load_draft(f"smollm2-{method}", smollm2)
   assert drafter.name == method and drafter.draft_vocab  # drafts from the training subset

@@ -111,6 +111,9 @@ def test_missing_shipped_draft_says_so(smollm2, monkeypatch):
     resolve_draft(smollm2, "eagle2", None, TreeConfig())
 
 
+# With -m slow (~60 s): tests/test_tree_tuning.py runs the same CLI end to end on a tiny
+# target, and the tests above load SmolLM2 and its chat prompts in process.
+@pytest.mark.slow
 def test_generate_cli_with_a_draft_reports_tau_and_speedup(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "launch.generate", f"--config={CONFIG}", "--method=eagle2",

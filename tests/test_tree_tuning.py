@@ -233,6 +233,9 @@ def test_prior_replaces_calibration_for_its_draft(saved_draft, tmp_path, monkeyp
   monkeypatch.setattr(tree_tuning, "generate", _fake_generate(calls))
   # AR very slow: both trees are timed and win on the prior's tau, none is calibrated.
   monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1e6)
+  # Round timings stand in (the calibration test above times real rounds): wider, slower.
+  monkeypatch.setattr(tree_tuning, "round_split", lambda target, candidate, *a: {
+      "draft_ms": 1.0, "verify_ms": float(candidate.tree.total_tokens)})
   result = _tune(target, directory, (drafter, params), tmp_path)
   assert calls == []
   assert [row["tau"] for row in result.candidates] == taus

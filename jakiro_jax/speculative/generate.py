@@ -306,8 +306,10 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
                                       out_shardings, donate_argnums=(6, 7))  # the caches
   start = time.perf_counter()
   state = run(*weights, *inputs, *caches)
-  tokens, counts, accepts = jax.device_get(
-      (state.tokens, state.num_generated, state.accept_lens))
+  # Rows may live on other processes (a mesh whose batch axes span hosts): every process
+  # gathers them all, as the AR loop does.
+  fetch = jax.device_get if mesh is None else sharding.to_host
+  tokens, counts, accepts = fetch((state.tokens, state.num_generated, state.accept_lens))
   seconds = time.perf_counter() - start
   return SpecOutput([list(map(int, t[:n])) for t, n in zip(tokens, counts)], seconds,
                     [[int(a) for a in row if a >= 0] for row in accepts])
