@@ -92,6 +92,18 @@ def parse_tree_flag(value: str):
                          f"(e.g. 1,3,5); got {value!r}: {e}") from None
 
 
+def _refuse_prior_flags() -> None:
+  """--write_tuning_prior's flag conflicts, named before anything loads."""
+  if _TEMPERATURE.value != 0.0:  # SamplingConfig.greedy
+    raise app.UsageError("--write_tuning_prior measures greedy acceptance (T = 0): drop "
+                         "--temperature/--top_p/--top_k")
+  if _METHOD.value == "ar":
+    raise app.UsageError("--write_tuning_prior measures a draft's trees: pass --method")
+  if _DRAFT.value == "random":
+    raise app.UsageError("--write_tuning_prior needs a draft directory (a shipped draft "
+                         "or --draft=DIR), got --draft=random")
+
+
 def write_tuning_prior(target, method: str, loaded, sampling) -> None:
   """--write_tuning_prior: the prior of the draft being run, in its own directory."""
   from jakiro_jax import tree_tuning
@@ -119,6 +131,8 @@ def main(argv):
   cli.require_files(questions=_QUESTIONS.value)
   if _DRAFT.value and _DRAFT.value != "random" and _METHOD.value != "ar":
     cli.require_draft(_DRAFT.value, _METHOD.value)
+  if _WRITE_PRIOR.value:  # what can be refused before the target loads
+    _refuse_prior_flags()
   import jax
   from jakiro_jax.speculative.autoregressive import generate_ar
   from jakiro_jax.speculative.generate import generate
