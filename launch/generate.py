@@ -92,28 +92,33 @@ def parse_tree_flag(value: str):
                          f"(e.g. 1,3,5); got {value!r}: {e}") from None
 
 
+_PRIOR_NEEDS_METHOD = "--write_tuning_prior measures a draft's trees: pass --method"
+
+
+def _prior_needs_directory() -> app.UsageError:
+  return app.UsageError(f"--write_tuning_prior needs a draft directory (a shipped draft "
+                        f"or --draft=DIR), got --draft={_DRAFT.value}")
+
+
 def _refuse_prior_flags() -> None:
-  """--write_tuning_prior's flag conflicts, named before anything loads."""
+  """--write_tuning_prior's flag conflicts, named before anything loads. (--method left
+  out, or a shipped draft that is missing, are known only once the target is loaded.)"""
   if _TEMPERATURE.value != 0.0:  # SamplingConfig.greedy
     raise app.UsageError("--write_tuning_prior measures greedy acceptance (T = 0): drop "
                          "--temperature/--top_p/--top_k")
   if _METHOD.value == "ar":
-    raise app.UsageError("--write_tuning_prior measures a draft's trees: pass --method")
+    raise app.UsageError(_PRIOR_NEEDS_METHOD)
   if _DRAFT.value == "random":
-    raise app.UsageError("--write_tuning_prior needs a draft directory (a shipped draft "
-                         "or --draft=DIR), got --draft=random")
+    raise _prior_needs_directory()
 
 
-def write_tuning_prior(target, method: str, loaded, sampling) -> None:
-  """--write_tuning_prior: the prior of the draft being run, in its own directory."""
+def write_tuning_prior(target, method: str, loaded) -> None:
+  """--write_tuning_prior (greedy, flags checked by `_refuse_prior_flags`): the prior of the
+  draft being run, in its own directory."""
   from jakiro_jax import tree_tuning
-  if not sampling.greedy:
-    raise app.UsageError("--write_tuning_prior measures greedy acceptance (T = 0): drop "
-                         "--temperature/--top_p/--top_k")
   directory = tree_tuning.draft_directory(target.name, method, _DRAFT.value)
   if directory is None:
-    raise app.UsageError(f"--write_tuning_prior needs a draft directory (a shipped draft "
-                         f"or --draft=DIR), got --draft={_DRAFT.value}")
+    raise _prior_needs_directory()
   command = " ".join(["python -m launch.generate", *sys.argv[1:]])
   prior = tree_tuning.write_prior(target, method, directory, loaded=loaded,
                                   command=command)
@@ -163,7 +168,7 @@ def main(argv):
   drafter = None
   auto_note = ""
   if _WRITE_PRIOR.value and method == "ar":
-    raise app.UsageError("--write_tuning_prior measures a draft's trees: pass --method")
+    raise app.UsageError(_PRIOR_NEEDS_METHOD)
   if method != "ar":
     tree, options = tree_and_options(config, method)
     if not isinstance(tree_flag, str):
@@ -173,7 +178,7 @@ def main(argv):
       tree = tree_flag
     drafter, params = resolve_draft(target, method, _DRAFT.value, tree, _SEED.value, options)
     if _WRITE_PRIOR.value:
-      write_tuning_prior(target, method, (drafter, params), sampling)
+      write_tuning_prior(target, method, (drafter, params))
       return
     if tree_flag == "auto":
       from jakiro_jax.tree_tuning import apply_choice, tune_tree
