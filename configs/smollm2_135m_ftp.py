@@ -67,11 +67,13 @@ def get_config() -> ml_collections.ConfigDict:
   # step's (the held-out KL wandered 2.98-3.25 after step 100). calib_rows: rows the
   # decode thresholds are calibrated on. tail_weight: weight of a second KL term over the
   # last tail_tokens tokens of each row (the predictions a continuation starts from).
+  # recent: the recency window R (`prune.routers`): each block keeps token 0 and the newest
+  # R tokens whatever the MLP says, the MLP choosing among the older ones (0: none).
   c.router = ml_collections.ConfigDict(dict(
       steps=500, batch_size=2, rows=2048, length=128, lr=1e-3, weight_decay=0.0, clip=1.0,
       guide_fraction=0.02, guide_floor=0.0, sparse="level", sparse_weight=1.0,
       gate="kept", save_every=50, eval_every=50, select="heldout", heldout_rows=8,
-      calib_rows=64, tail_weight=0.0, tail_tokens=8, inputs="factors"))
+      calib_rows=64, tail_weight=0.0, tail_tokens=8, inputs="factors", recent=0))
 
   # Held-out evaluation. MC-style scoring (ARC-Easy, and cloze items from natural text,
   # `prune.tasks.cloze_items`: a 30-word passage, its next 8 words against 3 segments of
@@ -80,10 +82,12 @@ def get_config() -> ml_collections.ConfigDict:
   # and fair, with `mc_tail` tokens of other items' text after each row so the answer is
   # no longer among the newest tokens the static router always keeps (0: skip the fair
   # runs; 192 puts the answers of 64- and 80-token rows in the oldest ~25-30% of the
-  # row; see `evaluate.score_mc`). cloze_items=0 skips the cloze task.
+  # row; see `evaluate.score_mc`). cloze_items=0 skips the cloze task. recent: the window
+  # R of the methods ftp_window (the trained router with the newest R tokens forced) and
+  # ends_static (token 0, the newest R, then the oldest tokens; no router).
   c.eval = ml_collections.ConfigDict(dict(
       articles=8, article_length=256, questions_per_file=4, question_length=128,
       batch_size=8, mc_items=100, mc_length=64, mc_tail=192, cloze_items=200,
       cloze_context_words=30, cloze_choice_words=8, cloze_skip=8, cloze_per_text=3,
-      cloze_length=80, gen_prompts=8, gen_tokens=32, random_seed=0))
+      cloze_length=80, gen_prompts=8, gen_tokens=32, random_seed=0, recent=64))
   return c

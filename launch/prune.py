@@ -49,9 +49,9 @@ _OUT_DIR = flags.DEFINE_string("out_dir", None, "Run directory (search and train
 _SHIPPED = flags.DEFINE_string("shipped", "smollm2_s30", "eval without --out_dir: the "
                                "shipped router's name.")
 _METHODS = flags.DEFINE_list("methods", None, "eval: a subset of dense,ftp_dynamic,"
-                             "ftp_static,uniform_static,random,shortgpt,blockpruner,"
-                             "ftp_hidden (default all but blockpruner; ftp_hidden when "
-                             "DIR/router_hidden/router.json exists).")
+                             "ftp_window,ftp_static,ends_static,uniform_static,random,"
+                             "shortgpt,blockpruner,ftp_hidden (default all but blockpruner; "
+                             "ftp_hidden when DIR/router_hidden/router.json exists).")
 _NO_MC = flags.DEFINE_bool("no_mc", False, "eval: skip every multiple-choice scoring "
                            "(ARC-Easy and cloze, as is and with the fair tail).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "eval, rank: write the report here.")

@@ -35,9 +35,9 @@ def target():
   return dataclasses.replace(target_from_torch(tiny_hf_model(seed=3)), stop_ids=())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "schedule", "num_new"))
-def _reference_greedy(params, prompt, *, config, schedule, num_new):
-  route = routers.static_route(schedule)
+@functools.partial(jax.jit, static_argnames=("config", "schedule", "num_new", "recent"))
+def _reference_greedy(params, prompt, *, config, schedule, num_new, recent=None):
+  route = routers.static_route(schedule, recent)
   cache = new_pruned_cache(config, 1, prompt.shape[1] + num_new)
   logits, out = pm.prefill(params, config, prompt, cache, route)
 
@@ -51,10 +51,13 @@ def _reference_greedy(params, prompt, *, config, schedule, num_new):
   return tokens[:, 0], kept.all(), out.keep
 
 
-def reference(target, prompt, schedule=SCHEDULE, num_new=NUM_NEW):
+def reference(target, prompt, schedule=SCHEDULE, num_new=NUM_NEW, recent=None):
   tokens, decode_kept_all, prefill_keep = _reference_greedy(
       target.params, jnp.asarray([prompt], jnp.int32), config=target.config,
-      schedule=tuple(schedule), num_new=num_new)
+      schedule=tuple(schedule), num_new=num_new, recent=recent)
+  if recent is not None:  # the prefill kept the both-ends rule's tokens
+    np.testing.assert_array_equal(prefill_keep[0], routers.static_keep_mask(
+        schedule, [len(prompt)], len(prompt), recent)[0])
   # The static router computes every decoded token (rank 1 while k_i >= 2): what the
   # dense decode over the pruned cache assumes.
   assert bool(decode_kept_all)
@@ -74,6 +77,18 @@ def test_pruned_ar_equals_pruned_reference_and_differs_from_dense(target, prompt
   assert [generate_ar(target, [p], NUM_NEW, prefill_fn=PrunedPrefill(SCHEDULE)).tokens[0]
           for p in prompts] == pruned
   assert pruned != generate_ar(target, prompts, NUM_NEW).tokens
+
+
+def test_both_ends_prefill_feeds_ar_and_speculative_losslessly(target, prompts):
+  ends = PrunedPrefill(SCHEDULE, recent=3)
+  pruned = generate_ar(target, prompts, NUM_NEW, prefill_fn=ends)
+  assert pruned.tokens == [reference(target, p, recent=3) for p in prompts]
+  drafter = Eagle2Drafter(target.config, TreeConfig(top_k=3, depth=3, total_tokens=8))
+  spec = generate(target, drafter, drafter.init_params(jax.random.PRNGKey(0)), prompts,
+                  NUM_NEW, prefill_fn=ends)
+  assert spec.tokens == pruned.tokens
+  with pytest.raises(ValueError, match="a both-ends prefill needs recent >= 1"):
+    PrunedPrefill(SCHEDULE, recent=0)
 
 
 def test_zero_sparsity_prefill_is_the_dense_prefill(target, prompts):

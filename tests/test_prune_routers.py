@@ -62,6 +62,16 @@ def test_static_router_picks_the_priority_tokens_on_a_hand_example():
   np.testing.assert_array_equal(mask, expected)
   assert [list(i) for i in routers.static_indices((0.0, 0.5, 0.7), 6)] == [
       [0, 1, 2, 3, 4, 5], [0, 4, 5], [0, 5]]
+  # Both ends, window 1: priority x0, the newest x_{L-1}, then x1, x2, ...
+  ends = routers.static_keep_mask((0.0, 0.5, 0.7), [6, 4], 6, recent=1)
+  np.testing.assert_array_equal(ends, np.array([
+      [[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 1], [1, 0, 0, 0, 0, 1]],
+      [[1, 1, 1, 1, 0, 0], [1, 0, 0, 1, 0, 0], [1, 0, 0, 1, 0, 0]]], bool))
+  oldest = routers.static_keep_mask((0.0, 0.5, 0.7), [6, 4], 6, recent=0)
+  np.testing.assert_array_equal(oldest[0, 1], [1, 1, 1, 0, 0, 0])
+  # a window as long as the row is the keep-newest rule
+  np.testing.assert_array_equal(routers.static_keep_mask((0.0, 0.5, 0.7), [6, 4], 6, 6),
+                                mask)
 
 
 def test_static_route_in_the_forward_matches_the_mask_and_decodes_recent_tokens(setup):
@@ -133,6 +143,45 @@ def test_threshold_mode_keeps_p_at_least_one_half(setup):
   assert float(step.prob[:, 1:].max()) < 0.5
   with pytest.raises(ValueError, match="route mode 'soft'"):
     routers.dynamic_route(_position_router(0.5), SCHEDULE, "soft")
+
+
+def test_recency_window_keeps_the_newest_tokens_then_the_routers_choice(setup):
+  config, params = setup
+  base = _position_router(0.5, shift=0.0)
+  # The position router prefers late tokens; flip it so it prefers early ones, the
+  # opposite of the window, and the window's effect is visible.
+  early = dict(base, w2=-base["w2"], b2=-base["b2"])
+  lengths = (T, 7)
+  _, plain = prefill(setup, "dynamic", early, lengths=lengths)
+  for window in (2, 3):
+    _, out = prefill(setup, "dynamic", dict(early, recent=jnp.float32(window)),
+                     lengths=lengths)
+    keep, plain_keep = np.asarray(out.keep), np.asarray(plain.keep)
+    np.testing.assert_array_equal(keep.sum(-1), plain_keep.sum(-1))  # same counts
+    for b, n in enumerate(lengths):
+      for i in (1, 2):
+        k = keep_count(SCHEDULE[i], n)
+        newest = np.arange(max(n - min(window, k - 1), 1), n)
+        assert keep[b, i, 0] and keep[b, i, newest].all(), (b, i, keep[b, i])
+        # the rest are the router's own choice among the older tokens: the earliest ones
+        rest = np.flatnonzero(keep[b, i, 1:n - len(newest)]) + 1
+        np.testing.assert_array_equal(rest, np.arange(1, 1 + k - 1 - len(newest)))
+        assert not keep[b, i, n:].any()
+    # an oldest-first router with the window is the static both-ends rule
+    np.testing.assert_array_equal(keep, routers.static_keep_mask(SCHEDULE, lengths, T,
+                                                                 recent=window))
+  # a window as long as the kept count is the static rule
+  _, wide = prefill(setup, "dynamic", dict(early, recent=jnp.float32(T)), lengths=lengths)
+  np.testing.assert_array_equal(wide.keep, routers.static_keep_mask(SCHEDULE, lengths, T))
+  # decode: the new token is the newest, kept in every block whatever p says
+  never = _position_router(0.5, -50.0)
+  _, step = routed_decode(params, dict(never, recent=jnp.float32(1)), jnp.array([4, 5]),
+                          plain.cache, config=config, kind="dynamic", schedule=SCHEDULE)
+  assert bool(step.keep.all()) and float(step.prob[:, 1:].max()) < 0.5
+  assert float(routers.init_router(0, recent=3)[routers.RECENT_KEY]) == 3.0
+  assert routers.RECENT_KEY not in routers.init_router(0)
+  with pytest.raises(ValueError, match="recency window 2.5 must be a whole number"):
+    routers.init_router(0, recent=2.5)
 
 
 @pytest.mark.slow  # compile-heavy; covered in the default set by cheaper tests

@@ -166,6 +166,28 @@ def test_distillation_gradient_reaches_a_hidden_router(setup):
   assert np.abs(w1).max() > 0, "no distillation gradient reaches w1"
 
 
+def test_recency_window_survives_training_and_the_router_file(setup, tmp_path):
+  config, params, tokens, lengths, dense = setup
+  settings = dataclasses.replace(SETTINGS, steps=2, recent=3, weight_decay=0.1)
+  run = tr.train_router(params, config, tokens, SCHEDULE, settings, str(tmp_path),
+                        lengths=lengths, progress=False, dense_logp=dense)
+  assert float(run["router"][routers.RECENT_KEY]) == 3.0  # not trained, not decayed
+  router, _, record = tr.load_router(str(tmp_path))
+  assert float(router[routers.RECENT_KEY]) == 3.0 and record["settings"]["recent"] == 3
+  start = routers.init_router(0, recent=3)
+  assert not np.array_equal(np.asarray(router["w1"]), np.asarray(start["w1"]))
+  data = tr.router_to_json(router)
+  data[routers.RECENT_KEY] = -1.0
+  with pytest.raises(ValueError, match="recency window -1.0 must be a whole number"):
+    tr.router_from_json(data)
+  data.pop(routers.RECENT_KEY)
+  data["bias"] = [0.0]
+  with pytest.raises(ValueError, match=r"unknown entries \['bias'\]"):
+    tr.router_from_json(data)
+  with pytest.raises(ValueError, match="recent -2"):
+    dataclasses.replace(SETTINGS, recent=-2).check()
+
+
 def test_hidden_router_file_round_trip(tmp_path):
   hidden_router = routers.init_router(3, inputs=72)
   tr.save_router(str(tmp_path / tr.ROUTER_FILE), hidden_router, SCHEDULE, {"inputs": "hidden"})
@@ -298,7 +320,8 @@ def test_kept_gate_sends_no_gradient_to_skipped_tokens():
   router = routers.init_router(0)
 
   def gate_sum(b2, gate):
-    decision, _ = tr.training_route(dict(router, b2=b2), sparsity, counts, gate)(ctx, None)
+    decision, _ = tr.training_route(dict(router, b2=b2), sparsity, counts, gate,
+                                    jax.random.PRNGKey(1))(ctx, None)
     return jnp.sum(decision.gate), decision
 
   for gate in tr.GATES:
@@ -306,9 +329,50 @@ def test_kept_gate_sends_no_gradient_to_skipped_tokens():
     keep, prob = np.asarray(decision.keep[0]), np.asarray(decision.prob[0])
     np.testing.assert_array_equal(np.asarray(decision.gate[0]), keep)  # hard values
     assert 0 < keep.sum() < num
-    through = keep if gate == "kept" else np.ones_like(keep)
+    through = keep if gate != "straight_through" else np.ones_like(keep)
     np.testing.assert_allclose(float(grad[0]), np.sum((prob * (1 - prob))[through]),
                                rtol=1e-5)
+  # with a recency window of 3 the newest 3 tokens are kept and carry no gradient
+  router = dict(router, recent=jnp.float32(3))
+  for gate in tr.GATES:
+    (_, decision), grad = jax.value_and_grad(gate_sum, has_aux=True)(router["b2"], gate)
+    keep, prob = np.asarray(decision.keep[0]), np.asarray(decision.prob[0])
+    np.testing.assert_array_equal(np.asarray(decision.gate[0]), keep)
+    assert keep[-3:].all() and 3 < keep.sum() < num
+    through = ((keep if gate != "straight_through" else np.ones_like(keep))
+               & (np.arange(num) < num - 3))
+    np.testing.assert_allclose(float(grad[0]), np.sum((prob * (1 - prob))[through]),
+                               rtol=1e-5)
+
+
+def test_exploring_gate_keeps_a_random_k_and_measures_every_token():
+  num = 16
+  positions = jnp.arange(num, dtype=jnp.int32)[None]
+  ctx = BlockContext(layer=2, positions=positions, slots=positions,
+                     real=jnp.ones((1, num), bool), num_real=jnp.array([num]),
+                     seq_len=jnp.array([num]),
+                     table=jnp.linspace(0.5, 3.0, num, dtype=jnp.float32)[None],
+                     in_seq=jnp.ones((1, num), bool))
+  sparsity = jnp.asarray(SCHEDULE, jnp.float32)
+  counts = jnp.asarray(routers.count_tables(SCHEDULE, num))
+  k = int(counts[2, num])
+  router = dict(routers.init_router(0), recent=jnp.float32(1))
+  own, _ = tr.training_route(router, sparsity, counts, "kept")(ctx, None)
+  kept = []
+  for seed in range(12):
+    decision, _ = tr.training_route(router, sparsity, counts, "explore",
+                                    jax.random.PRNGKey(seed))(ctx, None)
+    keep = np.asarray(decision.keep[0])
+    assert keep.sum() == k and keep[0] and keep[-1]  # token 0 and the window forced
+    np.testing.assert_array_equal(np.asarray(decision.gate[0]), keep)
+    np.testing.assert_array_equal(decision.prob, own.prob)  # the router's own p
+    kept.append(keep)
+  kept = np.asarray(kept)
+  assert kept[:, 1:-1].any(axis=0).all(), "some token was never drawn in 12 steps"
+  assert not all(np.array_equal(kept[0], other) for other in kept[1:])
+  assert not np.array_equal(kept[0], np.asarray(own.keep[0]))
+  with pytest.raises(ValueError, match="gate 'explore' draws its decisions: give a key"):
+    tr.training_route(router, sparsity, counts, "explore")
 
 
 def test_sparsity_forms_and_guide_floor_by_hand():

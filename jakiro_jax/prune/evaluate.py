@@ -126,7 +126,7 @@ class Method(NamedTuple):
   `router`: dynamic router params; `thresholds`: the dynamic router's decode thresholds
   (N floats; None = 0.5 at every block); `seed`: random baseline; `removed`: ShortGPT
   blocks; `removed_attn` / `removed_mlp`: BlockPruner's removed attention / MLP
-  sub-blocks."""
+  sub-blocks; `recent`: a static method's both-ends window (None: keep-newest)."""
   name: str
   kind: str
   schedule: tuple[float, ...] | None = None
@@ -136,6 +136,7 @@ class Method(NamedTuple):
   removed_attn: tuple[int, ...] = ()
   removed_mlp: tuple[int, ...] = ()
   thresholds: tuple[float, ...] | None = None
+  recent: int | None = None  # static: the both-ends rule's window (`static_keep_mask`)
 
 
 def check_method(method: Method, num_layers: int) -> None:
@@ -147,6 +148,9 @@ def check_method(method: Method, num_layers: int) -> None:
     check_schedule(method.schedule, num_layers)
   if method.kind == "dynamic" and method.router is None:
     raise ValueError(f"method {method.name!r} (dynamic) needs router params")
+  if method.recent is not None and method.kind != "static":
+    raise ValueError(f"method {method.name!r} ({method.kind}) has a both-ends window; "
+                     "only a static method takes one (a router carries its own)")
   if method.thresholds is not None and len(method.thresholds) != num_layers:
     raise ValueError(f"method {method.name!r} has {len(method.thresholds)} decode "
                      f"thresholds, the model has {num_layers} layers")
@@ -191,7 +195,7 @@ def keep_mask(method: Method, num_layers: int, lengths: np.ndarray, num_tokens: 
   if method.kind in BLOCK_KINDS:
     return real[:, None, :] & sub_block_masks(method, num_layers)[0][None, :, None]
   if method.kind == "static":
-    return routers.static_keep_mask(method.schedule, lengths, num_tokens)
+    return routers.static_keep_mask(method.schedule, lengths, num_tokens, method.recent)
   if method.kind == "random":
     rng = jax.random.PRNGKey(method.seed)
     return np.asarray(routers.random_keep_mask(rng, method.schedule, lengths, num_tokens))

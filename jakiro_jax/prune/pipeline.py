@@ -13,12 +13,14 @@ import time
 
 from jakiro_jax.atomic_dir import write_json
 
-ALL_METHODS = ("dense", "ftp_dynamic", "ftp_static", "uniform_static", "random", "shortgpt",
-               "blockpruner", "ftp_hidden")
+ALL_METHODS = ("dense", "ftp_dynamic", "ftp_window", "ftp_static", "ends_static",
+               "uniform_static", "random", "shortgpt", "blockpruner", "ftp_hidden")
 METHOD_LABELS = {
     "dense": "dense",
     "ftp_dynamic": "FTP-dynamic (trained router, fine-tuned schedule)",
+    "ftp_window": "FTP-dynamic + recency window (eval.recent newest tokens kept)",
     "ftp_static": "FTP-static (searched schedule)",
+    "ends_static": "both ends, static (token 0, eval.recent newest, then oldest)",
     "uniform_static": "uniform static",
     "random": "random token skipping",
     "shortgpt": "ShortGPT (whole blocks removed)",
@@ -391,6 +393,7 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
   `shipped`. Returns the report (per method: articles, questions, greedy agreement,
   decode sparsity, the accuracies of `MC_KEYS` and their retention vs dense, None where
   not run; `with_mc` False skips them all); `eval_table` formats it."""
+  import jax.numpy as jnp
   import numpy as np
 
   from jakiro_jax.prune import assets, baselines, routers
@@ -428,11 +431,16 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
                        config.seed)
   influence = baselines.block_influence(target.params, tc, calib,
                                         np.full(len(calib), calib.shape[1]))
+  window = routers.check_recent(e.get("recent", 64))
   known = {
       "dense": ev.Method("dense", "dense"),
       "ftp_dynamic": ev.Method("ftp_dynamic", "dynamic", schedule, router=router,
                                thresholds=_thresholds(record)),
+      "ftp_window": ev.Method("ftp_window", "dynamic", schedule,
+                              router=dict(router, recent=jnp.float32(window)),
+                              thresholds=_thresholds(record)),
       "ftp_static": ev.Method("ftp_static", "static", searched),
+      "ends_static": ev.Method("ends_static", "static", searched, recent=window),
       "uniform_static": ev.Method("uniform_static", "static",
                                   uniform_schedule(tc.num_layers, budget)),
       "random": ev.Method("random", "random", uniform_schedule(tc.num_layers, budget),

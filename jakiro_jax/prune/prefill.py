@@ -166,7 +166,7 @@ def pruned_prefill_jit(params, router_params, tokens: jax.Array, cache: PrunedCa
 
 def pruned_target_prefill(params, config: LlamaConfig, prompt: jax.Array,
                           prompt_lengths: jax.Array, cache: KVCache,
-                          schedule: Sequence[float]):
+                          schedule: Sequence[float], recent: int | None = None):
   """The static router's gathered prefill as a drop-in for the dense one of the AR and
   speculative loops (`speculative.autoregressive.target_prefill`).
 
@@ -177,15 +177,17 @@ def pruned_target_prefill(params, config: LlamaConfig, prompt: jax.Array,
   target over that cache: every new token is computed in every block and attends to the
   slots each layer computed, which is the static router's own decode (it keeps the newest
   token while `k_i >= 2`), so the output equals `prune.model` decoding under the same
-  decisions.
+  decisions. `recent` R >= 1: the both-ends rule (token 0, the newest R, then the oldest;
+  `routers.static_keep_mask`), whose decode also keeps the newest token.
   """
   batch = prompt.shape[0]
   slots = (cache.k.shape[0], batch, cache.max_len)  # [L, B, S]
   pruned = PrunedCache(k=cache.k, v=cache.v, valid=jnp.zeros(slots, bool),
                        received=jnp.zeros(slots, jnp.float32),
                        lengths=jnp.zeros((batch,), jnp.int32))
-  logits, out = prefill_gathered(params, config, prompt, pruned, routers.static_route(schedule),
-                                 schedule, lengths=prompt_lengths)
+  logits, out = prefill_gathered(params, config, prompt, pruned,
+                                 routers.static_route(schedule, recent), schedule,
+                                 lengths=prompt_lengths)
   in_prompt = jnp.arange(cache.max_len)[None, :] < prompt_lengths[:, None]  # [B, S]
   skipped = ~out.cache.valid & in_prompt[None]
   return logits, out.features, KVCache(k=out.cache.k, v=out.cache.v,
@@ -199,14 +201,24 @@ class PrunedPrefill:
   sparsities (e.g. a searched FTP schedule). Hashable: a static argument of the loops.
 
     generate_ar(target, prompts, 64, prefill_fn=PrunedPrefill(schedule))
+
+  `recent` R: the both-ends rule instead of keep-newest (each block keeps token 0, the
+  newest R tokens, then the oldest; None: keep-newest).
   """
   schedule: tuple[float, ...]
+  recent: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "schedule", tuple(float(s) for s in self.schedule))
+    if self.recent is not None:
+      recent = routers.check_recent(self.recent)
+      if recent < 1:
+        raise ValueError("a both-ends prefill needs recent >= 1: decoding after it "
+                         "computes every new token, which the rule keeps only in its window")
+      object.__setattr__(self, "recent", recent)
 
   def __call__(self, model, params, prompt: jax.Array, prompt_lengths: jax.Array,
                cache: KVCache):
     schedule = check_schedule(self.schedule, model.config.num_layers)
     return pruned_target_prefill(params, model.config, prompt, prompt_lengths, cache,
-                                 schedule)
+                                 schedule, self.recent)

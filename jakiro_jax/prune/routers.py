@@ -28,6 +28,15 @@ block.
 
 Common rules: token 0 (the attention sink) is always kept; a block with s_i = 0 keeps
 every real token; right padding (`lengths`) is never kept.
+
+Recency window (a learnt router's optional param `recent`, a float32 scalar R stored with
+the MLP, never trained): the newest R tokens of the sequence are kept as token 0 is, ahead
+of the MLP's choice (newest first when k_i - 1 < R), so the MLP picks only among the older
+tokens. R = 0 (or no `recent` param) is the router alone; R >= k_i - 1 is the static rule.
+In decode every new token is the newest, so a window R >= 1 keeps it (dense decode, as the
+static rule). Why: the MLP learns through the tokens it keeps and trains on the mean KL over
+all positions, so it protects the oldest tokens and skips the newest, which ruins the
+prompt's last prediction (docs/FTP.md); the window gives it the static rule's end of row.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from jakiro_jax.prune.schedule import keep_count, keep_counts
 ROUTER_FACTORS = 4
 ROUTER_HIDDEN = 64
 ROUTE_MODES = ("topk", "threshold")
+RECENT_KEY = "recent"
 
 
 def _count_row(sparsity: float, max_length: int) -> np.ndarray:
@@ -95,37 +105,51 @@ def _layer_sparsity(schedule: tuple[float, ...], layer: int) -> float:
 
 # ---------------------------------------------------------------------------- static
 
-def static_rank(positions: jax.Array, seq_len: jax.Array) -> jax.Array:
+def static_rank(positions: jax.Array, seq_len: jax.Array, recent: int | None = None
+                ) -> jax.Array:
   """Priority rank `[B, T]` (0 = kept first) of tokens at `positions [B, T]` in sequences
-  of `seq_len [B]`: x_0 -> 0, x_{L-1} -> 1, x_{L-2} -> 2, ..., x_1 -> L-1."""
+  of `seq_len [B]`: x_0 -> 0, x_{L-1} -> 1, x_{L-2} -> 2, ..., x_1 -> L-1; with `recent`
+  R (both ends) the newest R first, then x_1 -> R + 1, x_2 -> R + 2, ..."""
   rank = seq_len[:, None] - positions
+  if recent is not None:
+    rank = jnp.where(rank > recent, recent + positions, rank)
   return jnp.where(positions == 0, 0, rank)
 
 
-def static_route(schedule: Sequence[float]) -> Route:
+def static_route(schedule: Sequence[float], recent: int | None = None) -> Route:
   """Position-priority router. The count `k_i` is taken over the whole sequence so far:
-  in prefill that is the prompt; a decode token (rank 1) is kept while `k_i >= 2`."""
+  in prefill that is the prompt; a decode token (rank 1) is kept while `k_i >= 2`.
+  `recent` R: the both-ends rule (`static_keep_mask`); R >= 1 keeps the decode token as
+  the keep-newest rule does."""
   schedule = _check_schedule_values(schedule)
+  recent = None if recent is None else check_recent(recent)
 
   def route(ctx: BlockContext, carry):
     s = _layer_sparsity(schedule, ctx.layer)
     counts = _count_table(s, ctx.in_seq.shape[1])[ctx.seq_len]  # [B]
-    keep = static_rank(ctx.positions, ctx.seq_len) < counts[:, None]
+    keep = static_rank(ctx.positions, ctx.seq_len, recent) < counts[:, None]
     return Decision(keep & ctx.real), carry
 
   route.schedule = schedule
   return route
 
 
-def static_keep_mask(schedule: Sequence[float], lengths, num_tokens: int) -> np.ndarray:
+def static_keep_mask(schedule: Sequence[float], lengths, num_tokens: int,
+                     recent: int | None = None) -> np.ndarray:
   """Static router's prefill decisions `[B, L, T]` bool for right-padded rows of
-  `lengths [B]` real tokens (numpy, for inspection and `fixed_route`)."""
+  `lengths [B]` real tokens (numpy, for inspection and `fixed_route`). `recent` R (the
+  both-ends rule): priority x_0, then the newest R tokens (newest first), then the oldest
+  (x_1, x_2, ...), so each block skips the middle of the row; None: x_0 then newest first
+  (the static router). Both keep a decode token (the newest) while k_i >= 2."""
   schedule = _check_schedule_values(schedule)
   lengths = np.asarray(lengths, np.int64)
   if lengths.ndim != 1 or np.any(lengths < 1) or np.any(lengths > num_tokens):
     raise ValueError(f"lengths must be [B] in [1, {num_tokens}], got {lengths}")
   positions = np.arange(num_tokens)[None, :]
   rank = np.where(positions == 0, 0, lengths[:, None] - positions)
+  if recent is not None:
+    recent = check_recent(recent)
+    rank = np.where((rank > recent) & (positions > 0), recent + positions, rank)
   real = positions < lengths[:, None]
   counts = np.asarray([[keep_count(s, int(n)) for s in schedule] for n in lengths])
   return (rank[:, None, :] < counts[:, :, None]) & real[:, None, :]
@@ -172,22 +196,76 @@ def topk_keep(score: jax.Array, counts: jax.Array, eligible: jax.Array,
   return (rank < counts[:, None]) & eligible
 
 
+def check_recent(recent) -> int:
+  """The recency window as an int; a clear error unless it is a whole number >= 0."""
+  value = float(np.asarray(recent))
+  if not np.isfinite(value) or value < 0 or value != int(value):
+    raise ValueError(f"router recency window {recent} must be a whole number >= 0")
+  return int(value)
+
+
 def init_router(seed: int | jax.Array = 0, hidden: int = ROUTER_HIDDEN,
-                inputs: int = ROUTER_FACTORS) -> dict:
+                inputs: int = ROUTER_FACTORS, recent: int = 0) -> dict:
   """Router MLP params (a plain pytree): `w1 [I, hidden], b1 [hidden], w2 [hidden, 1],
   b2 [1]`, LeCun-normal weights, zero biases. `inputs` I: `ROUTER_FACTORS` for the
-  four-factor router, the model's hidden size D for the hidden-state router."""
+  four-factor router, the model's hidden size D for the hidden-state router. `recent` > 0
+  adds the recency window `recent []` float32 (module docstring; not trained)."""
   if int(inputs) < 1 or int(hidden) < 1:
     raise ValueError(f"router sizes must be >= 1, got inputs {inputs}, hidden {hidden}")
+  recent = check_recent(recent)
   key = jax.random.PRNGKey(int(seed)) if isinstance(seed, (int, np.integer)) else seed
   k1, k2 = jax.random.split(key)
   inputs = int(inputs)
-  return {
+  params = {
       "w1": jax.random.normal(k1, (inputs, hidden)) / np.sqrt(inputs),
       "b1": jnp.zeros((hidden,)),
       "w2": jax.random.normal(k2, (hidden, 1)) / np.sqrt(hidden),
       "b2": jnp.zeros((1,)),
   }
+  if recent:
+    params[RECENT_KEY] = jnp.float32(recent)
+  return params
+
+
+def recent_window(router_params: Mapping[str, jax.Array], ctx: BlockContext
+                  ) -> jax.Array | None:
+  """`[B, T]` bool: this call's tokens among the newest `recent` of the sequence, token 0
+  aside (None for a router without the window)."""
+  if RECENT_KEY not in router_params:
+    return None
+  window = jax.lax.stop_gradient(router_params[RECENT_KEY])
+  newest = (ctx.positions.astype(jnp.float32)
+            >= ctx.seq_len[:, None].astype(jnp.float32) - window)
+  return newest & (ctx.positions > 0)
+
+
+def forced_keep(router_params: Mapping[str, jax.Array], ctx: BlockContext) -> jax.Array:
+  """`[B, T]` bool: tokens a learnt router keeps whatever its MLP says: token 0 and the
+  recency window's tokens."""
+  window = recent_window(router_params, ctx)
+  first = ctx.positions == 0
+  return first if window is None else first | window
+
+
+def window_score(router_params: Mapping[str, jax.Array], ctx: BlockContext,
+                 prob: jax.Array) -> jax.Array:
+  """The top-k score `[B, T]` of a learnt router: p, or for the window's tokens 2 + their
+  position (above any p, newest first)."""
+  window = recent_window(router_params, ctx)
+  if window is None:
+    return prob
+  return jnp.where(window, 2.0 + ctx.positions.astype(jnp.float32), prob)
+
+
+def learnt_decision(router_params: Mapping[str, jax.Array], ctx: BlockContext,
+                    keep: jax.Array, prob: jax.Array) -> Decision:
+  """The Decision of a learnt router: its hard `keep`, a straight-through gate (without
+  gradient on the recency window's tokens, whose keep does not depend on p) and `prob`."""
+  gate = straight_through(keep, prob)
+  window = recent_window(router_params, ctx)
+  if window is not None:
+    gate = jnp.where(window, keep.astype(gate.dtype), gate)
+  return Decision(keep, gate, prob)
 
 
 def router_prob(router_params: Mapping[str, jax.Array], factors: jax.Array) -> jax.Array:
@@ -298,16 +376,16 @@ def learnt_prob(router_params: Mapping[str, jax.Array], ctx: BlockContext,
   return prob
 
 
-def _decide(prob: jax.Array, sparsity: float, ctx: BlockContext, mode: str,
+def _decide(router_params, prob: jax.Array, sparsity: float, ctx: BlockContext, mode: str,
             threshold: float) -> jax.Array:
   """Hard keep `[B, T]` from probabilities `[B, T]` for one block."""
-  first = ctx.positions == 0
   if sparsity == 0.0:
     return ctx.real
   if mode == "topk":
     counts = _count_table(sparsity, ctx.real.shape[1])[ctx.num_real]
-    return topk_keep(prob, counts, ctx.real, first)
-  return ((prob >= threshold) | first) & ctx.real
+    return topk_keep(window_score(router_params, ctx, prob), counts, ctx.real,
+                     ctx.positions == 0)
+  return ((prob >= threshold) | forced_keep(router_params, ctx)) & ctx.real
 
 
 def dynamic_route(router_params: Mapping[str, jax.Array], schedule: Sequence[float],
@@ -323,8 +401,8 @@ def dynamic_route(router_params: Mapping[str, jax.Array], schedule: Sequence[flo
   def route(ctx: BlockContext, carry):
     s = _layer_sparsity(schedule, ctx.layer)
     prob = learnt_prob(router_params, ctx, s)
-    keep = _decide(prob, s, ctx, mode, _block_threshold(threshold, ctx.layer))
-    return Decision(keep, straight_through(keep, prob), prob), carry
+    keep = _decide(router_params, prob, s, ctx, mode, _block_threshold(threshold, ctx.layer))
+    return learnt_decision(router_params, ctx, keep, prob), carry
 
   route.schedule = schedule
   return route
@@ -353,8 +431,8 @@ def one_pass_route(router_params: Mapping[str, jax.Array], schedule: Sequence[fl
       carry = learnt_prob(router_params, ctx, later)  # [B, T, N-1]
     s = _layer_sparsity(schedule, ctx.layer)
     prob = carry[:, :, ctx.layer - 1]
-    keep = _decide(prob, s, ctx, mode, _block_threshold(threshold, ctx.layer))
-    return Decision(keep, straight_through(keep, prob), prob), carry
+    keep = _decide(router_params, prob, s, ctx, mode, _block_threshold(threshold, ctx.layer))
+    return learnt_decision(router_params, ctx, keep, prob), carry
 
   route.schedule = schedule
   return route
@@ -393,14 +471,15 @@ def array_dynamic_route(router_params: Mapping[str, jax.Array], sparsity: jax.Ar
   def route(ctx: BlockContext, carry):
     s = sparsity[ctx.layer]
     prob = learnt_prob(router_params, ctx, s)
-    first = ctx.positions == 0
     if mode == "topk":
       # A dense block's count is every real token, so top-k keeps them all.
-      keep = topk_keep(prob, counts[ctx.layer][ctx.num_real], ctx.real, first)
+      keep = topk_keep(window_score(router_params, ctx, prob),
+                       counts[ctx.layer][ctx.num_real], ctx.real, ctx.positions == 0)
     else:
       tau = _block_threshold(threshold, ctx.layer)
-      keep = jnp.where(s == 0.0, ctx.real, ((prob >= tau) | first) & ctx.real)
-    return Decision(keep, straight_through(keep, prob), prob), carry
+      forced = forced_keep(router_params, ctx)
+      keep = jnp.where(s == 0.0, ctx.real, ((prob >= tau) | forced) & ctx.real)
+    return learnt_decision(router_params, ctx, keep, prob), carry
 
   return route
 

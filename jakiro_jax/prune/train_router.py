@@ -51,6 +51,21 @@ searched schedule, 2 x 128-token batches, lr 1e-3; KL on a fixed held-out batch 
    KL at step 0 (`static_kl`) and says when it is above the router's.
 lr, clip and the optimiser are unchanged.
 
+Two things tried to get a router good at both ends of a row (S = 0.3, searched schedule,
+2,048 rows of 128 tokens, batches of 2, held-out KL on the 8 next rows every 25 steps;
+docs/FTP.md has the commands), neither a default:
+5. The recency window (`settings.recent`, `routers.recent_window`): the newest R tokens
+   kept, the MLP choosing among the older ones. With R = 64 the held-out KL rose under
+   `gate="kept"` (3.77 at step 0, 3.79, 3.83, 3.95, 3.87 at steps 25-100; the static rule
+   3.74). The same window on a router trained without it (`ftp_window` in the eval) is
+   the working combination.
+6. `gate="explore"`: the forward keeps a random k_i (token 0 and the window forced), so
+   every token is measured kept, not only those the router keeps. Without a window it
+   moved the router towards the newest tokens (KL of each row's last 8 tokens 14.2 ->
+   6.3 by step 75) but raised the all-position KL (3.19 -> 3.48); with R = 64, 3.77 ->
+   3.91. A first-order gate gradient measured under random decisions is a poor guide to
+   the router's own top-k decisions.
+
 The dense log-probabilities are computed inside each step (`train_step` with
 `dense_logp=None`), so the number of rows is bounded by the data, not by memory (the
 former table held rows x T x V floats). `heldout_stats` logs the KL on fixed held-out
@@ -92,7 +107,7 @@ CHECKPOINT_DIR = "checkpoints"
 
 
 SPARSE_FORMS = ("hinge", "two_sided", "level")
-GATES = ("straight_through", "kept")
+GATES = ("straight_through", "kept", "explore")
 # Which router a run keeps: the last step's, or the held-out evaluation's lowest KL.
 SELECT = ("last", "heldout")
 
@@ -117,6 +132,7 @@ class RouterSettings:
   eval_every: int = 0
   select: str = "last"
   seed: int = 0
+  recent: int = 0
 
   def check(self) -> None:
     if self.steps < 1 or self.batch_size < 1 or self.save_every < 1:
@@ -134,6 +150,8 @@ class RouterSettings:
     if self.tail_weight < 0.0 or self.tail_tokens < 1:
       raise ValueError(f"tail_weight {self.tail_weight} must be >= 0 and tail_tokens "
                        f"{self.tail_tokens} >= 1")
+    if self.recent < 0:
+      raise ValueError(f"recent {self.recent} (the recency window) must be >= 0")
     if self.eval_every < 0:
       raise ValueError(f"eval_every {self.eval_every} must be >= 0 (0: never)")
 
@@ -191,41 +209,61 @@ def tail_mask(lengths: jax.Array, num: int, tail: int) -> jax.Array:
   return (t < lengths[:, None]) & (t >= lengths[:, None] - tail)
 
 
-def training_route(router, sparsity: jax.Array, counts: jax.Array, gate: str = "straight_through"):
+def training_route(router, sparsity: jax.Array, counts: jax.Array, gate: str = "straight_through",
+                   key: jax.Array | None = None):
   """The route the loss runs: the dynamic router in top-k mode (sparsity `[N]`, counts
   `[N, T + 1]`). gate "straight_through": every token's gate carries the router's
   gradient (the paper's); "kept": only the kept tokens' gates do (a skipped token's gate
   is 0 with no gradient), so the distillation moves p by what computing a token does,
-  never by a first-order guess at what computing a skipped one would do."""
+  never by a first-order guess at what computing a skipped one would do; "explore": as
+  "kept", but the forward keeps a random k_i of the tokens (uniform scores from `key`,
+  token 0 and the recency window forced as in the router's own decision), so every token
+  is measured kept in some steps, not only those the router already keeps (under "kept"
+  a token the router skips never gets a gradient of its own). The recency window's
+  tokens carry no gradient (their keep does not depend on p)."""
   route = routers.array_dynamic_route(router, sparsity, counts, "topk")
   if gate == "straight_through":
     return route
+  if gate == "explore" and key is None:
+    raise ValueError("gate 'explore' draws its decisions: give a key")
 
   def kept_only(ctx, carry):
     decision, carry = route(ctx, carry)
     ones = jnp.ones_like(decision.prob)
-    gate_value = decision.keep.astype(decision.prob.dtype) * straight_through(ones,
-                                                                              decision.prob)
-    return decision._replace(gate=gate_value), carry
+    keep = decision.keep
+    if gate == "explore":
+      uniform = jax.random.uniform(jax.random.fold_in(key, ctx.layer), keep.shape)
+      keep = routers.topk_keep(routers.window_score(router, ctx, uniform),
+                               counts[ctx.layer][ctx.num_real], ctx.real,
+                               ctx.positions == 0)
+    carrier = straight_through(ones, decision.prob)
+    window = routers.recent_window(router, ctx)
+    if window is not None:  # the window's keep never depends on p: no gradient
+      carrier = jnp.where(window, ones, carrier)
+    gate_value = keep.astype(decision.prob.dtype) * carrier
+    return decision._replace(keep=keep, gate=gate_value), carry
 
   return kept_only
 
 
 def routed_forward(params, config: LlamaConfig, router, tokens, lengths, sparsity, counts,
-                   gate: str = "straight_through") -> pm.PrunedOutput:
+                   gate: str = "straight_through", key: jax.Array | None = None
+                   ) -> pm.PrunedOutput:
   """`evaluate.pruned_forward` of the dynamic router under `training_route`."""
   cache = new_pruned_cache(config, tokens.shape[0], tokens.shape[1])
-  route = training_route(router, sparsity, counts, gate)
+  route = training_route(router, sparsity, counts, gate, key)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   return pm.forward(params, config, tokens, positions, cache, route, lengths)
 
 
 def router_loss(router, params, tokens, lengths, static_mask, dense_logp, sparsity, counts,
-                weight, *, config: LlamaConfig, settings: RouterSettings | None = None):
-  """(L, {"guide", "sparse", "distill", "total"}) of one batch; dense_logp `[B, T, V]`."""
+                weight, key=None, *, config: LlamaConfig,
+                settings: RouterSettings | None = None):
+  """(L, {"guide", "sparse", "distill", "total"}) of one batch; dense_logp `[B, T, V]`;
+  key: the exploring gate's draw (`training_route`)."""
   settings = settings or RouterSettings()
   out = routed_forward(params, config, router, tokens, lengths, sparsity, counts,
-                       settings.gate)
+                       settings.gate, key)
   real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
   level_prob = out.prob
   if settings.sparse == "level":
@@ -258,11 +296,16 @@ def train_step(router, opt_state, step, params, tokens, lengths, static_mask, de
     dense_logp = jax.lax.stop_gradient(
         ev.dense_logprobs(params, tokens, lengths, config=config))
   weight = guide_weight(step, settings.steps, settings.guide_fraction, settings.guide_floor)
+  # A function of (seed, step) only, so a resumed run draws what an unbroken one did.
+  key = jax.random.fold_in(jax.random.PRNGKey(settings.seed), step.astype(jnp.int32))
   grads, terms = jax.grad(router_loss, has_aux=True)(
       router, params, tokens, lengths, static_mask, dense_logp, sparsity, counts, weight,
-      config=config, settings=settings)
+      key, config=config, settings=settings)
   updates, opt_state = optimizer(settings).update(grads, opt_state, router)
-  return optax.apply_updates(router, updates), opt_state, terms
+  new_router = optax.apply_updates(router, updates)
+  if routers.RECENT_KEY in router:  # the window is a setting, not a weight (decay skips it)
+    new_router[routers.RECENT_KEY] = router[routers.RECENT_KEY]
+  return new_router, opt_state, terms
 
 
 # -------------------------------------------------------------------------- monitoring
@@ -409,6 +452,11 @@ def router_from_json(data: Mapping[str, list]) -> dict:
     if value.shape != shape:
       raise ValueError(f"router param {k!r} has shape {value.shape}, expected {shape}")
     out[k] = value
+  if routers.RECENT_KEY in data:
+    out[routers.RECENT_KEY] = jnp.float32(routers.check_recent(data[routers.RECENT_KEY]))
+  unknown = sorted(set(data) - set(out))
+  if unknown:
+    raise ValueError(f"router params hold unknown entries {unknown}")
   return out
 
 
@@ -489,7 +537,7 @@ def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequ
   sparsity = jnp.asarray(schedule, jnp.float32)
   counts = jnp.asarray(routers.count_tables(schedule, num))
 
-  router = routers.init_router(settings.seed, inputs=input_size)
+  router = routers.init_router(settings.seed, inputs=input_size, recent=settings.recent)
   opt_state = optimizer(settings).init(router)
   state = {"router": router, "opt_state": opt_state, "step": jnp.asarray(0, jnp.int32)}
   meta = {"schedule": list(schedule), "settings": dataclasses.asdict(settings),
