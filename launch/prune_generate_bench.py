@@ -6,7 +6,8 @@
       --max_questions=8 --max_new_tokens=64 --json_out=results/ftp_generate.json
 
 For each question file and each schedule (`prune.assets.static_schedule`: "dense", a
-shipped router's searched schedule, "uniform:S", or a schedule.json / router.json) the
+shipped router's searched schedule, "uniform:S", or a schedule.json / router.json; a
+suffix "@ends:R" takes the both-ends rule with window R instead of keep-newest) the
 target prefills every prompt with the static token router under that schedule and decodes
 densely over the pruned cache; our AR loop and each method's shipped draft run on it (batch
 1, greedy, timed after a warm-up compile per prompt bucket, all in this process). Per
@@ -35,7 +36,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
 _QUESTIONS = flags.DEFINE_list("questions", None, "FastChat .jsonl files (one category each).")
 _SCHEDULES = flags.DEFINE_list("schedules", ["dense", "smollm2_s30"],
                                "Prefill schedules: dense, a shipped router name, uniform:S, "
-                               "or a schedule.json / router.json path. dense comes first.")
+                               "or a schedule.json / router.json path, each optionally "
+                               "with @ends:R (the both-ends rule, window R). dense comes "
+                               "first.")
 _METHODS = flags.DEFINE_list("methods", list(registry.EVAL_METHODS),
                              "Methods, each with its shipped draft for the target.")
 _MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 8, "First N questions of each file.")
@@ -79,9 +82,14 @@ def main(argv):
   config = cli.checked_config(_CONFIG.value)
   target = load_target(config.target, dtype=config.dtype)
   try:
-    schedules = {spec: static_schedule(spec, target.config.num_layers) for spec in specs}
+    schedules, prefill_fns = {}, {}
+    for spec in specs:
+      name, _, window = spec.partition("@ends:")
+      schedules[spec] = static_schedule(name, target.config.num_layers)
+      prefill_fns[spec] = (None if schedules[spec] is None else
+                           PrunedPrefill(schedules[spec], int(window) if window else None))
   except ValueError as e:
-    raise app.UsageError(str(e)) from None
+    raise app.UsageError(f"--schedules: {e}") from None
   drafts = {}
   for method in _METHODS.value:
     tree, options = tree_and_options(config, method)
@@ -95,9 +103,8 @@ def main(argv):
   results.setdefault("device", device)
   rows = results.setdefault("rows", {})
 
-  def prefill_seconds(prompts, schedule):
+  def prefill_seconds(prompts, prefill_fn):
     from jakiro_jax.speculative.autoregressive import generate_ar
-    prefill_fn = None if schedule is None else PrunedPrefill(schedule)
     runs = per_prompt_runs(prompts, lambda p, i: generate_ar(target, [p], 1,
                                                          prefill_fn=prefill_fn), "prefill")
     return statistics.median(r.seconds for r in runs)
@@ -114,7 +121,7 @@ def main(argv):
         continue
       print(f"{key}: {len(prompts)} prompts, mean {mean_len:.0f} tokens", file=sys.stderr)
       ar = ar_baseline(target, prompts, _MAX_NEW.value, sampling, _SEED.value,
-                       prefill_fn=None if schedule is None else PrunedPrefill(schedule))
+                       prefill_fn=prefill_fns[spec])
       if dense_outputs is None:
         dense_outputs = ar["outputs"]
       agree = [agreement(d, o) for d, o in zip(dense_outputs, ar["outputs"])]
@@ -124,15 +131,14 @@ def main(argv):
           "mean_prompt_tokens": mean_len, "max_new_tokens": _MAX_NEW.value,
           "flops_ratio": (1.0 if schedule is None else
                           schedule_flops(target.config, schedule, round(mean_len))["ratio"]),
-          "prefill_s_median": prefill_seconds(prompts, schedule),
+          "prefill_s_median": prefill_seconds(prompts, prefill_fns[spec]),
           "ar_tokens_per_s": ar["ar_tokens_per_s"], "ar_outputs": ar["outputs"],
           "agreement_match": statistics.mean(a["match"] for a in agree),
           "agreement_prefix": statistics.mean(a["prefix"] for a in agree),
           "methods": {}}
       for method, (drafter, params) in drafts.items():
         runs = spec_runs(target, drafter, params, prompts, _MAX_NEW.value, sampling,
-                         _SEED.value,
-                         prefill_fn=None if schedule is None else PrunedPrefill(schedule))
+                         _SEED.value, prefill_fn=prefill_fns[spec])
         fields = spec_fields(drafter, runs, ar, sampling, "shipped")
         row["methods"][method] = {
             "tau": fields["tau"], "tokens_per_s": fields["tokens_per_s"],

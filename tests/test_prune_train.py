@@ -305,58 +305,50 @@ def test_calibrated_thresholds_reproduce_top_k_on_the_calibration_rows(setup):
   assert np.all(_threshold_keep(config, params, router, 0.5, tokens) == 1.0)
 
 
-def test_kept_gate_sends_no_gradient_to_skipped_tokens():
-  # One block's decision on a hand-made context: d(sum of gates)/d(b2) = sum of p (1 - p)
-  # over the tokens whose gate carries the router's gradient.
-  num = 8
+def _hand_context(num: int, layer: int):
+  """One block's routing context for a full row of `num` tokens, rising attention, and
+  the schedule arrays (sparsity `[N]`, counts `[N, num + 1]`)."""
   positions = jnp.arange(num, dtype=jnp.int32)[None]
-  ctx = BlockContext(layer=1, positions=positions, slots=positions,
+  ctx = BlockContext(layer=layer, positions=positions, slots=positions,
                      real=jnp.ones((1, num), bool), num_real=jnp.array([num]),
                      seq_len=jnp.array([num]),
                      table=jnp.linspace(0.5, 3.0, num, dtype=jnp.float32)[None],
                      in_seq=jnp.ones((1, num), bool))
-  sparsity = jnp.asarray(SCHEDULE, jnp.float32)
-  counts = jnp.asarray(routers.count_tables(SCHEDULE, num))
-  router = routers.init_router(0)
+  return (ctx, jnp.asarray(SCHEDULE, jnp.float32),
+          jnp.asarray(routers.count_tables(SCHEDULE, num)))
 
-  def gate_sum(b2, gate):
+
+def test_kept_gate_sends_no_gradient_to_skipped_tokens():
+  # One block's decision on a hand-made context: d(sum of gates)/d(b2) = sum of p (1 - p)
+  # over the tokens whose gate carries the router's gradient; with a recency window of 3
+  # the newest 3 tokens are kept and carry none.
+  num = 8
+  ctx, sparsity, counts = _hand_context(num, layer=1)
+
+  def gate_sum(b2, router, gate):
     decision, _ = tr.training_route(dict(router, b2=b2), sparsity, counts, gate,
                                     jax.random.PRNGKey(1))(ctx, None)
     return jnp.sum(decision.gate), decision
 
-  for gate in tr.GATES:
-    (_, decision), grad = jax.value_and_grad(gate_sum, has_aux=True)(router["b2"], gate)
-    keep, prob = np.asarray(decision.keep[0]), np.asarray(decision.prob[0])
-    np.testing.assert_array_equal(np.asarray(decision.gate[0]), keep)  # hard values
-    assert 0 < keep.sum() < num
-    through = keep if gate != "straight_through" else np.ones_like(keep)
-    np.testing.assert_allclose(float(grad[0]), np.sum((prob * (1 - prob))[through]),
-                               rtol=1e-5)
-  # with a recency window of 3 the newest 3 tokens are kept and carry no gradient
-  router = dict(router, recent=jnp.float32(3))
-  for gate in tr.GATES:
-    (_, decision), grad = jax.value_and_grad(gate_sum, has_aux=True)(router["b2"], gate)
-    keep, prob = np.asarray(decision.keep[0]), np.asarray(decision.prob[0])
-    np.testing.assert_array_equal(np.asarray(decision.gate[0]), keep)
-    assert keep[-3:].all() and 3 < keep.sum() < num
-    through = ((keep if gate != "straight_through" else np.ones_like(keep))
-               & (np.arange(num) < num - 3))
-    np.testing.assert_allclose(float(grad[0]), np.sum((prob * (1 - prob))[through]),
-                               rtol=1e-5)
+  for window in (0, 3):
+    router = routers.init_router(0, recent=window)
+    for gate in tr.GATES:
+      (_, decision), grad = jax.value_and_grad(gate_sum, has_aux=True)(router["b2"],
+                                                                       router, gate)
+      keep, prob = np.asarray(decision.keep[0]), np.asarray(decision.prob[0])
+      np.testing.assert_array_equal(np.asarray(decision.gate[0]), keep)  # hard values
+      assert window < keep.sum() < num and keep[num - window:].all()
+      through = ((keep if gate != "straight_through" else np.ones_like(keep))
+                 & (np.arange(num) < num - window))
+      np.testing.assert_allclose(float(grad[0]), np.sum((prob * (1 - prob))[through]),
+                                 rtol=1e-5)
 
 
 def test_exploring_gate_keeps_a_random_k_and_measures_every_token():
   num = 16
-  positions = jnp.arange(num, dtype=jnp.int32)[None]
-  ctx = BlockContext(layer=2, positions=positions, slots=positions,
-                     real=jnp.ones((1, num), bool), num_real=jnp.array([num]),
-                     seq_len=jnp.array([num]),
-                     table=jnp.linspace(0.5, 3.0, num, dtype=jnp.float32)[None],
-                     in_seq=jnp.ones((1, num), bool))
-  sparsity = jnp.asarray(SCHEDULE, jnp.float32)
-  counts = jnp.asarray(routers.count_tables(SCHEDULE, num))
+  ctx, sparsity, counts = _hand_context(num, layer=2)
   k = int(counts[2, num])
-  router = dict(routers.init_router(0), recent=jnp.float32(1))
+  router = routers.init_router(0, recent=1)
   own, _ = tr.training_route(router, sparsity, counts, "kept")(ctx, None)
   kept = []
   for seed in range(12):
