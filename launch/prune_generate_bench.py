@@ -78,16 +78,23 @@ def main(argv):
   specs = _SCHEDULES.value
   if specs[0] != "dense":
     raise app.UsageError("--schedules must start with dense (the agreement reference)")
+  windows = {spec: spec.partition("@ends:")[2] for spec in specs}
+  bad = [spec for spec, w in windows.items() if "@ends:" in spec and not
+         (w.isdigit() and int(w) >= 1)]
+  if bad:
+    raise app.UsageError(f"--schedules: {bad[0]!r}: the window after @ends: must be a "
+                         "whole number >= 1")
   device = cli.print_device()
   config = cli.checked_config(_CONFIG.value)
   target = load_target(config.target, dtype=config.dtype)
   try:
     schedules, prefill_fns = {}, {}
     for spec in specs:
-      name, _, window = spec.partition("@ends:")
-      schedules[spec] = static_schedule(name, target.config.num_layers)
+      schedules[spec] = static_schedule(spec.partition("@ends:")[0],
+                                        target.config.num_layers)
       prefill_fns[spec] = (None if schedules[spec] is None else
-                           PrunedPrefill(schedules[spec], int(window) if window else None))
+                           PrunedPrefill(schedules[spec],
+                                         int(windows[spec]) if windows[spec] else None))
   except ValueError as e:
     raise app.UsageError(f"--schedules: {e}") from None
   drafts = {}

@@ -42,6 +42,9 @@ def error_lines(proc):
                          "--out=/tmp/x"], "--prompts: no such file nope.jsonl"),
     ("launch.train", ["--config=configs/smollm2_135m_eagle2.py", "--data=nope",
                       "--out={questions}.run"], "feature set directory nope does not exist"),
+    ("launch.prune_generate_bench", [f"--questions={QUESTIONS}", "--json_out=/tmp/x.json",
+                                     "--schedules=dense,uniform:0.3@ends:0"],
+     "'uniform:0.3@ends:0': the window after @ends: must be a whole number >= 1"),
 ])
 def test_user_errors_are_one_line(module, args, message, tmp_path):
   questions = tmp_path / "q.jsonl"
