@@ -145,11 +145,9 @@ def static_keep_mask(schedule: Sequence[float], lengths, num_tokens: int,
   lengths = np.asarray(lengths, np.int64)
   if lengths.ndim != 1 or np.any(lengths < 1) or np.any(lengths > num_tokens):
     raise ValueError(f"lengths must be [B] in [1, {num_tokens}], got {lengths}")
-  positions = np.arange(num_tokens)[None, :]
-  rank = np.where(positions == 0, 0, lengths[:, None] - positions)
-  if recent is not None:
-    recent = check_recent(recent)
-    rank = np.where((rank > recent) & (positions > 0), recent + positions, rank)
+  positions = np.broadcast_to(np.arange(num_tokens), (len(lengths), num_tokens))
+  rank = np.asarray(static_rank(positions, lengths,
+                                None if recent is None else check_recent(recent)))
   real = positions < lengths[:, None]
   counts = np.asarray([[keep_count(s, int(n)) for s in schedule] for n in lengths])
   return (rank[:, None, :] < counts[:, :, None]) & real[:, None, :]

@@ -99,7 +99,6 @@ from jakiro_jax.prune import evaluate as ev
 from jakiro_jax.prune import model as pm
 from jakiro_jax.prune import routers
 from jakiro_jax.prune.cache import new_pruned_cache
-from jakiro_jax.prune.route import straight_through
 from jakiro_jax.prune.schedule import check_schedule, mean_sparsity
 
 ROUTER_FILE = "router.json"
@@ -229,18 +228,16 @@ def training_route(router, sparsity: jax.Array, counts: jax.Array, gate: str = "
 
   def kept_only(ctx, carry):
     decision, carry = route(ctx, carry)
-    ones = jnp.ones_like(decision.prob)
     keep = decision.keep
     if gate == "explore":
       uniform = jax.random.uniform(jax.random.fold_in(key, ctx.layer), keep.shape)
       keep = routers.topk_keep(routers.window_score(router, ctx, uniform),
                                counts[ctx.layer][ctx.num_real], ctx.real,
                                ctx.positions == 0)
-    carrier = straight_through(ones, decision.prob)
-    window = routers.recent_window(router, ctx)
-    if window is not None:  # the window's keep never depends on p: no gradient
-      carrier = jnp.where(window, ones, carrier)
-    gate_value = keep.astype(decision.prob.dtype) * carrier
+    # The router's straight-through gate of these decisions (none through the window),
+    # zeroed with its gradient where the token is skipped.
+    through = routers.learnt_decision(router, ctx, keep, decision.prob).gate
+    gate_value = keep.astype(through.dtype) * through
     return decision._replace(keep=keep, gate=gate_value), carry
 
   return kept_only
