@@ -114,10 +114,8 @@ def main(argv):
                          f"{list(registry.names())}")
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
-  import jax
-  cache_dir = os.path.join(out, "xla_cache") if _JAX_CACHE.value == "auto" else _JAX_CACHE.value
-  if cache_dir:
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
+  from jakiro_jax import compile_cache
+  compile_cache.enable(_JAX_CACHE.value, auto_dir=os.path.join(out, "xla_cache"))
 
   from jakiro_jax.reports.device_report_render import render_markdown, render_png, write_json
 

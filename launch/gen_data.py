@@ -8,7 +8,8 @@ target itself (self-distillation, batched jitted AR generation, greedy unless
 --temperature > 0) or taken from the file (--responses=file: a record's "response" or first
 "reference"). The target's features for every position of prompt + response are stored in
 Arrow shards (fp16) with a loss mask on the assistant tokens. Rerunning the same command
-continues after the last complete shard; the output is deterministic for a seed.
+continues after the last complete shard (compiled programs come from --jax_cache); the
+output is deterministic for a seed.
 
 A broader set: prompts the target writes itself, steered to kinds of task, several
 sampled answers per prompt beside the greedy one, the evaluation questions kept out:
@@ -55,6 +56,10 @@ _MAX_SHARDS = flags.DEFINE_integer("max_shards", None,
 _SHUFFLE = flags.DEFINE_boolean("shuffle", True, "Take prompts in a seeded random order "
                                 "(mixes the file's sources across shards).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for sampling and self-written prompts.")
+_JAX_CACHE = flags.DEFINE_string(
+    "jax_cache", "auto", "Persistent compilation cache: auto = ~/.cache/jakiro_jax/xla "
+    "(or $JAKIRO_JAX_CACHE/xla), empty = off, else a directory. A resumed or repeated "
+    "run reuses the compiled generation loop and feature forward of every length bucket.")
 _KINDS = flags.DEFINE_list(
     "self_prompt_kinds", [], "Steer the self-written prompts to these kinds of task, in "
     "turn (code, qa, summarisation, extraction, reasoning, writing); empty: the target "
@@ -99,6 +104,8 @@ def main(argv):
   with open(_PROMPTS.value) as f:
     records = [json.loads(line) for line in f if line.strip()][:len(prompts)]
   excluded = read_questions(_EXCLUDE.value)
+  from jakiro_jax import compile_cache
+  compile_cache.enable(_JAX_CACHE.value)
   print(f"loading target {config.target} ...", file=sys.stderr)
   target = load_target(config.target, dtype=config.dtype)
   meta = make_feature_set(

@@ -96,16 +96,21 @@ def test_cli_writes_a_feature_set(tmp_path):
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text("".join(json.dumps({"id": i, "turns": [p]}) + "\n"
                              for i, p in enumerate(PROMPTS[:2])))
-  out = tmp_path / "set"
+  out, cache = tmp_path / "set", tmp_path / "xla"
   proc = subprocess.run(
       [sys.executable, "-m", "launch.gen_data", f"--prompts={prompts}", f"--out={out}",
-       "--max_new_tokens=4", "--batch_size=2", "--shard_size=1", "--max_len=128"],
+       "--max_new_tokens=4", "--batch_size=2", "--shard_size=1", "--max_len=128",
+       f"--jax_cache={cache}"],
       capture_output=True, text=True, timeout=300,
       cwd=os.path.dirname(os.path.dirname(__file__)))
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert data.completed_shards(out) == [0, 1]
   got, meta = rows(out)
   assert meta["prompts_file"] == "prompts.jsonl" and len(got) == 2
+  # The generation loop and the feature forward are kept for a resumed or repeated run.
+  kept = sorted(os.listdir(cache))
+  assert any("ar_loop" in name for name in kept), kept
+  assert any("features_jit" in name for name in kept), kept
 
 
 # ------------------------------------------------ broader sets: answers, mix, held-out
