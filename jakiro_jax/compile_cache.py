@@ -7,6 +7,7 @@ one H100 takes about 70 s against 9 s to run a batch of 384 prompts
 
 from __future__ import annotations
 
+import logging
 import os
 
 
@@ -25,7 +26,12 @@ def enable(flag_value: str, auto_dir: str | None = None) -> str | None:
   if not directory:
     return None
   import jax
-  os.makedirs(directory, exist_ok=True)
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:  # a cache is an optimisation: go on without it, and say so
+    logging.getLogger(__name__).warning("compilation cache %s not usable (%s): off",
+                                        directory, e)
+    return None
   jax.config.update("jax_compilation_cache_dir", directory)
   # Every program, not only those over JAX's default 1 s: what compiles in under a
   # second on one machine can take longer on another.

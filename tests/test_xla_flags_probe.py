@@ -1,4 +1,5 @@
-"""The XLA flags probe: each flag set in its own process, failures recorded, resumable."""
+"""The XLA flags probe (each flag set in its own process, failures recorded, resumable)
+and the persistent compilation cache."""
 
 from __future__ import annotations
 
@@ -62,3 +63,12 @@ def test_a_budget_left_out_pair_is_listed_not_run(tmp_path):
   assert report["skipped"] == [["gen_data", "default", "time budget spent"]]
   assert "not measured: gen_data / default: time budget spent" in (
       tmp_path / "flags.md").read_text()
+
+
+def test_an_unusable_compilation_cache_is_skipped_with_a_warning(tmp_path, caplog):
+  from jakiro_jax import compile_cache
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  assert compile_cache.enable(str(blocker / "xla")) is None
+  assert "not usable" in caplog.text
+  assert compile_cache.enable("") is None
