@@ -36,12 +36,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.calib_rows = 4
   c.calib_length = 128
 
-  # The search's objective: kl_weight x -KL(dense || pruned) on the calibration rows +
-  # mc_weight x probability of the right choice on cloze items of data.prompts
-  # (disjoint from every evaluation set; `pipeline.calibration_items`).
+  # The search's objective: kl_weight x (-KL(dense || pruned) on the calibration rows
+  # - last_weight x the KL on each row's last last_tokens positions) + mc_weight x
+  # probability of the right choice on cloze items of data.prompts (disjoint from every
+  # evaluation set; `pipeline.calibration_items`).
   c.objective = ml_collections.ConfigDict(dict(
-      kl_weight=1.0, mc_weight=0.0, mc_items=64, mc_length=64, mc_context_words=30,
-      mc_choice_words=6))
+      kl_weight=1.0, last_weight=0.0, last_tokens=16, mc_weight=0.0, mc_items=64,
+      mc_length=64, mc_context_words=30, mc_choice_words=6))
 
   # GA with the static router. The spec's defaults are population 32, 30 generations;
   # scaled down for a 2-core CPU (one fitness call ~1.5 s).

@@ -108,6 +108,37 @@ def test_kl_fitness_on_a_tiny_model():
   assert fitness((0.0, 0.5, 0.7)) == fitness((0.0, 0.5, 0.7))  # deterministic
 
 
+def test_kl_fitness_last_positions_term():
+  config = tiny_config()
+  params = random_params(config, seed=5)
+  tokens = np.asarray(tokens_of(4, 2, 12))
+  lengths = np.array([12, 9])
+  schedule = (0.0, 0.5, 0.7)
+  plain = search.kl_fitness(params, config, tokens, lengths)(schedule)
+  assert plain < -1e-3
+  # Windows as long as the rows: the last term is the all-position mean again.
+  whole = search.kl_fitness(params, config, tokens, lengths, last_weight=2.0,
+                            last_tokens=12)(schedule)
+  assert whole == pytest.approx(3.0 * plain, rel=1e-5)
+  # The last position of each row only: the KL there, from the per-position stats.
+  from jakiro_jax.prune import evaluate as ev
+  from jakiro_jax.prune import routers
+  import jax.numpy as jnp
+  lens = jnp.asarray(lengths, jnp.int32)
+  dense = ev.dense_logprobs(params, jnp.asarray(tokens, jnp.int32), lens, config=config)
+  keep = jnp.asarray(routers.static_keep_mask(schedule, lengths, 12))
+  stats = ev.compare_batch(params, None, jnp.asarray(schedule, jnp.float32),
+                           jnp.asarray(routers.count_tables(schedule, 12)), keep, dense,
+                           jnp.asarray(tokens, jnp.int32), lens, config=config)
+  kl = np.asarray(stats["kl"])
+  at_end = (kl[0, 11] + kl[1, 8]) / 2
+  one = search.kl_fitness(params, config, tokens, lengths, last_weight=1.0,
+                          last_tokens=1)(schedule)
+  assert one == pytest.approx(plain - at_end, rel=1e-5)
+  assert search.kl_fitness(params, config, tokens, lengths)((0.0, 0.0, 0.0)) == (
+      pytest.approx(0.0, abs=1e-5))
+
+
 def test_mc_fitness_is_the_right_choice_probability():
   config = tiny_config()
   params = random_params(config, seed=5)

@@ -99,7 +99,9 @@ def objective_parts(target, config, paths, all_terms: bool = False) -> dict:
   tokens = _calibration(target, config, paths, config.calib_rows, config.calib_length,
                         config.seed)
   parts["kl"] = (o.kl_weight, search.kl_fitness(target.params, target.config, tokens,
-                                                agree_weight=config.ga.agree_weight))
+                                                agree_weight=config.ga.agree_weight,
+                                                last_weight=o.last_weight,
+                                                last_tokens=o.last_tokens))
   if o.mc_weight or all_terms:
     items = calibration_items(target, config, paths)
     rows = ev.mc_rows(target, items, o.mc_length)
@@ -275,7 +277,9 @@ def run_train(config, out_dir, paths) -> None:
   calib = _calibration(target, config, paths, config.calib_rows, config.calib_length,
                        config.seed)
   fitness = search.kl_fitness(target.params, target.config, calib,
-                              agree_weight=config.ga.agree_weight, router=router)
+                              agree_weight=config.ga.agree_weight, router=router,
+                              last_weight=config.objective.last_weight,
+                              last_tokens=config.objective.last_tokens)
   # The hidden-state router is the input ablation: evaluated on the searched schedule.
   if inputs == "factors" and config.finetune.generations > 0:
     ft = _ga_settings(config, config.finetune, init_noise=config.finetune.sigma)

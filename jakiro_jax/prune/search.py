@@ -246,11 +246,15 @@ def run_search(fitness_fn: Callable[[tuple[float, ...]], float], num_layers: int
 
 
 def kl_fitness(params, config, tokens, lengths=None, agree_weight: float = 0.0,
-               router=None) -> Callable[[tuple[float, ...]], float]:
+               router=None, last_weight: float = 0.0, last_tokens: int = 16
+               ) -> Callable[[tuple[float, ...]], float]:
   """Fitness of a schedule on one calibration batch `tokens [B, T]` (`lengths [B]`, None =
   full rows): -(mean KL(dense || pruned)) + agree_weight * top-1 agreement, over real
-  positions. router None: the static router (a keep mask, one compilation for every
-  schedule); router params: the dynamic router in top-k mode (the schedule as arrays)."""
+  positions, - last_weight * the mean KL over each row's last `last_tokens` positions
+  (where a reply starts and a choice is scored: a keep-newest rule keeps them, but they
+  read what the older tokens left). router None: the static router (a keep mask, one
+  compilation for every schedule); router params: the dynamic router in top-k mode (the
+  schedule as arrays)."""
   import jax.numpy as jnp
 
   from jakiro_jax.prune import evaluate as ev
@@ -263,6 +267,9 @@ def kl_fitness(params, config, tokens, lengths=None, agree_weight: float = 0.0,
   lens = jnp.asarray(lengths)
   dense = ev.dense_logprobs(params, tokens, lens, config=config)
   real = float(lengths.sum())
+  position = np.arange(num)[None, :]
+  last = jnp.asarray((position >= lengths[:, None] - last_tokens)
+                     & (position < lengths[:, None]), jnp.float32)
 
   def fitness(schedule: tuple[float, ...]) -> float:
     sparsity = jnp.asarray(schedule, jnp.float32)
@@ -273,7 +280,10 @@ def kl_fitness(params, config, tokens, lengths=None, agree_weight: float = 0.0,
                              config=config)
     kl = float(stats["kl"].sum()) / real
     top1 = float(stats["top1"].sum()) / real
-    return -kl + agree_weight * top1
+    if not last_weight:
+      return -kl + agree_weight * top1
+    kl_last = float((stats["kl"] * last).sum() / last.sum())
+    return -kl + agree_weight * top1 - last_weight * kl_last
 
   return fitness
 
