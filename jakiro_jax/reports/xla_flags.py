@@ -255,7 +255,7 @@ def markdown(report: Mapping) -> str:
   for name, rows in by_workload.items():
     base = next((_headline(r) for r in rows if r["flag_set"] == "default"), None)
     ok = [r for r in rows if "error" not in r]
-    kind = ok[0]["settings"]["kind"] if ok else "ar"
+    kind = WORKLOADS["full"][name].kind
     device = ok[0]["device_kind"] if ok else "?"
     lines += [f"## {name} ({device})", ""]
     if kind == "ar":
