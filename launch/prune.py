@@ -107,6 +107,10 @@ def main(argv):
   _check_config(config)
   if _MODE.value in ("search", "train") and not _OUT_DIR.value:
     raise app.UsageError(f"--mode={_MODE.value} needs --out_dir")
+  if _MODE.value == "rank" and len(set(_SCHEDULES.value)) + _RANDOM_SCHEDULES.value < 2:
+    raise app.UsageError("--mode=rank correlates over schedules: it needs at least two "
+                         "(--schedules plus --random_schedules), got "
+                         f"{len(set(_SCHEDULES.value)) + _RANDOM_SCHEDULES.value}")
   try:
     paths = pipeline.data_paths(config)
   except (ValueError, FileNotFoundError) as e:

@@ -45,6 +45,8 @@ def error_lines(proc):
     ("launch.prune_generate_bench", [f"--questions={QUESTIONS}", "--json_out=/tmp/x.json",
                                      "--schedules=dense,uniform:0.3@ends:0"],
      "'uniform:0.3@ends:0': the window after @ends: must be a whole number >= 1"),
+    ("launch.prune", ["--mode=rank", "--schedules=uniform", "--random_schedules=0"],
+     "it needs at least two (--schedules plus --random_schedules), got 1"),
     ("launch.xla_flags_probe", ["--out={questions}.run", "--flag_sets=default,nope"],
      "unknown flag set 'nope'"),
 ])
