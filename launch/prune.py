@@ -24,7 +24,9 @@ eval: held-out perplexity, KL / top-1 vs dense, greedy-32 agreement, MC accuracy
   (its sub-block search runs first, ~60 forwards of the calibration batch per removed
   sub-block; with --out_dir its result is kept in DIR/blockpruner.json and reused), and
   FTP-hidden when DIR/router_hidden/router.json exists; without --out_dir the shipped
-  router (--shipped, default smollm2_s30) and its schedule. Writes --json_out.
+  router (--shipped, default smollm2_s30) and its schedule; with an --out_dir that holds
+  a search but no router, the methods that need none (--methods=dense,ftp_static,...) on
+  the searched schedule. Writes --json_out.
 
 Every mode is seeded and its runs resume where a killed one stopped.
 """

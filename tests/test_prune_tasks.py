@@ -141,3 +141,30 @@ def test_eval_wiring_of_the_mc_scorings_and_their_table(tmp_path):
   assert lines[1].split()[-6:] == ["MC", "retain", "cloze", "retain", "clzfair", "retain"]
   assert lines[2].split()[-6:] == ["0.500", "1.000", "0.750", "1.000", "-", "-"]
   assert lines[3].split()[-2:] == ["0.250", "-"]
+
+
+def test_eval_of_a_search_without_a_router(tmp_path, monkeypatch):
+  from configs import smollm2_135m_ftp
+  from jakiro_jax.prune import pipeline
+  config = smollm2_135m_ftp.get_config()
+  run = tmp_path / "run"
+  run.mkdir()
+  # Router methods still need DIR/router; the static ones need only the searched schedule.
+  with pytest.raises(FileNotFoundError, match="no router file"):
+    pipeline.run_eval(config, str(run), {}, ("dense", "ftp_dynamic"))
+  with pytest.raises(FileNotFoundError, match="no searched schedule .*--mode=search first"):
+    pipeline.run_eval(config, str(run), {}, ("dense", "ftp_static"))
+  (run / "schedule.json").write_text(json.dumps({"schedule": [0.0, 0.4, 0.5]}))
+  read = []
+  real_read = pipeline.read_schedule
+  monkeypatch.setattr(pipeline, "read_schedule", lambda d: read.append(d) or real_read(d))
+
+  class Loaded(Exception):
+    pass
+
+  def stop(_):
+    raise Loaded
+  monkeypatch.setattr(pipeline, "target_of", stop)
+  with pytest.raises(Loaded):  # past the router: on to the target with the schedule
+    pipeline.run_eval(config, str(run), {}, ("dense", "ftp_static", "uniform_static"))
+  assert read == [str(run)]

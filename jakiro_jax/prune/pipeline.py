@@ -13,6 +13,8 @@ import time
 
 from jakiro_jax.atomic_dir import write_json
 
+# Methods that run the trained router (DIR/router); the others need only a schedule.
+ROUTER_METHODS = ("ftp_dynamic", "ftp_window")
 ALL_METHODS = ("dense", "ftp_dynamic", "ftp_window", "ftp_static", "ends_static",
                "uniform_static", "random", "shortgpt", "blockpruner", "ftp_hidden")
 METHOD_LABELS = {
@@ -394,7 +396,8 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
              with_mc: bool = True) -> dict:
   """Evaluates `methods` (names of `ALL_METHODS`) at the router's budget: the router of
   `out_dir` (DIR/router, and DIR/router_hidden for ftp_hidden) or the shipped one named
-  `shipped`. Returns the report (per method: articles, questions, greedy agreement,
+  `shipped`; without DIR/router and without `ROUTER_METHODS`, the searched schedule
+  (DIR/schedule.json) and its budget. Returns the report (per method: articles, questions, greedy agreement,
   decode sparsity, the accuracies of `MC_KEYS` and their retention vs dense, None where
   not run; `with_mc` False skips them all); `eval_table` formats it."""
   import jax.numpy as jnp
@@ -408,7 +411,13 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
   hidden_file = (os.path.join(out_dir, ROUTER_DIRS["hidden"], tr.ROUTER_FILE)
                  if out_dir else None)
 
-  if out_dir:
+  router_file = os.path.join(out_dir, "router", tr.ROUTER_FILE) if out_dir else None
+  if out_dir and not os.path.isfile(router_file) and not set(methods) & set(ROUTER_METHODS):
+    # A search without a trained router (yet): the static methods on its schedule.
+    schedule = read_schedule(out_dir)
+    router, record = None, {}
+    source = f"{out_dir} (searched schedule, no router)"
+  elif out_dir:
     router, schedule, record = tr.load_router(os.path.join(out_dir, "router"))
     source = out_dir
   else:
@@ -438,11 +447,6 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
   window = routers.check_recent(e.get("recent", 64))
   known = {
       "dense": ev.Method("dense", "dense"),
-      "ftp_dynamic": ev.Method("ftp_dynamic", "dynamic", schedule, router=router,
-                               thresholds=_thresholds(record)),
-      "ftp_window": ev.Method("ftp_window", "dynamic", schedule,
-                              router=dict(router, recent=jnp.float32(window)),
-                              thresholds=_thresholds(record)),
       "ftp_static": ev.Method("ftp_static", "static", searched),
       "ends_static": ev.Method("ends_static", "static", searched, recent=window),
       "uniform_static": ev.Method("uniform_static", "static",
@@ -452,6 +456,12 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
       "shortgpt": ev.Method("shortgpt", "shortgpt",
                             removed=baselines.shortgpt_removed(influence, budget)),
   }
+  if router is not None:
+    known["ftp_dynamic"] = ev.Method("ftp_dynamic", "dynamic", schedule, router=router,
+                                     thresholds=_thresholds(record))
+    known["ftp_window"] = ev.Method("ftp_window", "dynamic", schedule,
+                                    router=dict(router, recent=jnp.float32(window)),
+                                    thresholds=_thresholds(record))
   blockpruner = None
   if "blockpruner" in methods:
     blockpruner = blockpruner_search(target, config, calib, budget, out_dir)
