@@ -397,9 +397,10 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
   """Evaluates `methods` (names of `ALL_METHODS`) at the router's budget: the router of
   `out_dir` (DIR/router, and DIR/router_hidden for ftp_hidden) or the shipped one named
   `shipped`; without DIR/router and without `ROUTER_METHODS`, the searched schedule
-  (DIR/schedule.json) and its budget. Returns the report (per method: articles, questions, greedy agreement,
-  decode sparsity, the accuracies of `MC_KEYS` and their retention vs dense, None where
-  not run; `with_mc` False skips them all); `eval_table` formats it."""
+  (DIR/schedule.json) and its budget. Returns the report (per method: articles,
+  questions, greedy agreement, decode sparsity, the accuracies of `MC_KEYS` and their
+  retention vs dense, None where not run; `with_mc` False skips them all); `eval_table`
+  formats it."""
   import jax.numpy as jnp
   import numpy as np
 
