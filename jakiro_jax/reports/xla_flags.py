@@ -134,7 +134,8 @@ def _ar_row(workload: Workload) -> dict:
 
 
 def _gen_data_row(workload: Workload) -> dict:
-  """Seconds of each call: the first compiles, the later ones are the device rate."""
+  """Seconds of each call: the first compiles, the fastest later one is the device rate
+  (its compile time = first - fastest)."""
   import numpy as np
 
   from jakiro_jax.speculative.autoregressive import generate_ar
