@@ -207,6 +207,9 @@ ENTRY %main () -> f32[] {
   assert result["collectives"] == {"all-reduce": {"count": 1, "bytes": 32}}
   assert result["kernels_per_iteration"] == 4  # fusion, all-reduce, all-gather, compare
   assert result["kernels_outside_loop"] == 2  # all-reduce-start, fusion
+  assert result["kernel_kinds_per_iteration"] == {"all-gather": 1, "all-reduce": 1,
+                                                  "compare": 1, "f": 1}
+  assert result["kernel_kinds_outside_loop"] == {"all-reduce-start": 1, "o": 1}
   assert result["weight_all_gathers"] == [{"shapes": [[4, 16]], "in_loop": True}]
   assert result["launches_per_iteration"] == 4  # runs of fewer than 5: one launch each
   roof = aot.roofline_s(2e12, 1e9, 10, 100, aot.PEAKS["h100"])

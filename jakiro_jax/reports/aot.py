@@ -442,6 +442,25 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
   def kernels(names) -> int:
     return sum(launches(ins) for name in names for ins in module.computations[name])
 
+  def kernel_kinds(names) -> dict[str, int]:
+    """Kernels by kind, most first: a fusion by its name without the numeric suffix
+    (XLA:GPU names them by what they fuse: input_reduce_fusion, gemm_fusion_dot, ...), a
+    library call by its target, anything else by its opcode."""
+    counts: dict[str, int] = {}
+    for name in names:
+      for ins in module.computations[name]:
+        if not launches(ins):
+          continue
+        if ins.opcode == "fusion":
+          kind = re.sub(r"(\.\d+)+$", "", ins.name)
+        elif ins.opcode == "custom-call":
+          target = re.search(r'custom_call_target="([^"]+)"', ins.text)
+          kind = "custom-call:" + (target.group(1) if target else "?")
+        else:
+          kind = ins.opcode
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
   def host_launches(names) -> tuple[int, int]:
     """(launches the host issues, kernels inside command buffers) under XLA's default
     command buffers: a run of at least GRAPH_MIN_KERNELS capturable kernels is one
@@ -478,6 +497,8 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
       "loop_trip_counts": [ins.trip_count for ins in loops],
       "kernels_outside_loop": kernels(outside),
       "kernels_per_iteration": kernels(in_loop),
+      "kernel_kinds_outside_loop": kernel_kinds(outside),
+      "kernel_kinds_per_iteration": kernel_kinds(in_loop),
       "launches_outside_loop": launches_outside,
       "graphed_kernels_outside_loop": graphed_outside,
       "launches_per_iteration": launches_in_loop,
