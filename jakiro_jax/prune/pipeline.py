@@ -419,7 +419,7 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
     router, record = None, {}
     source = f"{out_dir} (searched schedule, no router)"
   elif out_dir:
-    router, schedule, record = tr.load_router(os.path.join(out_dir, "router"))
+    router, schedule, record = tr.load_router(router_file)
     source = out_dir
   else:
     router, schedule, record = assets.load_shipped(shipped)

@@ -439,9 +439,6 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
   def launches(ins: Instruction) -> bool:
     return ins.opcode not in _NO_KERNEL and not ins.opcode.endswith("-done")
 
-  def kernels(names) -> int:
-    return sum(launches(ins) for name in names for ins in module.computations[name])
-
   def kernel_kinds(names) -> dict[str, int]:
     """Kernels by kind, most first: a fusion by its name without the numeric suffix
     (XLA:GPU names them by what they fuse: input_reduce_fusion, gemm_fusion_dot, ...), a
@@ -482,6 +479,7 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
         run = 0
     return total, graphed
 
+  kinds_outside, kinds_in_loop = kernel_kinds(outside), kernel_kinds(in_loop)
   launches_outside, graphed_outside = host_launches(outside)
   launches_in_loop, graphed_in_loop = host_launches(in_loop)
   weight_gathers = [
@@ -495,10 +493,10 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
       "collectives_in_loop": collectives(in_loop),
       "loops": len(loops),
       "loop_trip_counts": [ins.trip_count for ins in loops],
-      "kernels_outside_loop": kernels(outside),
-      "kernels_per_iteration": kernels(in_loop),
-      "kernel_kinds_outside_loop": kernel_kinds(outside),
-      "kernel_kinds_per_iteration": kernel_kinds(in_loop),
+      "kernels_outside_loop": sum(kinds_outside.values()),
+      "kernels_per_iteration": sum(kinds_in_loop.values()),
+      "kernel_kinds_outside_loop": kinds_outside,
+      "kernel_kinds_per_iteration": kinds_in_loop,
       "launches_outside_loop": launches_outside,
       "graphed_kernels_outside_loop": graphed_outside,
       "launches_per_iteration": launches_in_loop,

@@ -76,13 +76,6 @@ PRIORITY = (("ar_smollm2", "default"), ("ar_smollm2", "graph_loops"),
             ("ar_smollm2", "min_graph_1"), ("ar_smollm2", "no_triton_gemm"),
             ("ar_7b", "no_graphs"), ("ar_7b", "min_graph_1"), ("ar_7b", "no_triton_gemm"),
             ("gen_data", "no_graphs"))
-# "tiny" stands in for every shape on the cpu size.
-TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=172,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-            max_position_embeddings=4096)
-
-
 def xla_flags_env(flag_set: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
   """The environment of a worker: `base` (default os.environ) with the set's flags
   appended to its XLA_FLAGS (later flags win in XLA's parser)."""
@@ -111,14 +104,15 @@ def backend_size() -> str:
 def random_target(preset: str, dtype: str, seed: int = 0):
   """A stand-in Target (config, params, no stop tokens) with random weights of the
   preset's shape, made on the device."""
-  from jakiro_jax.models.config import config_from_hf
+  from jakiro_jax.models.config import LlamaConfig, config_from_hf
   from jakiro_jax.models.llama import init_params
   from jakiro_jax.models.presets import PRESETS
-  from jakiro_jax.reports.device_report import random_like
+  from jakiro_jax.reports.device_report import SCALE_PRESETS, random_like
   import jax
 
-  hf = TINY if preset == "tiny" else PRESETS[preset]
-  config = config_from_hf(hf, dtype)
+  # "tiny" (the device report's test shape) stands in for every shape on the cpu size.
+  config = (LlamaConfig(**SCALE_PRESETS["tiny"], dtype=dtype) if preset == "tiny"
+            else config_from_hf(PRESETS[preset], dtype))
   params = random_like(lambda: init_params(config, jax.random.PRNGKey(0)), seed)
   return types.SimpleNamespace(config=config, params=params, stop_ids=())
 
