@@ -61,6 +61,9 @@ _LAYERS = flags.DEFINE_integer("layers", None, "Compile the target with this man
 _VOCAB_BLOCKS = flags.DEFINE_integer("vocab_blocks", None, "Blocks of the drafts' "
                                      "vocabulary top-k (default: as on an accelerator; 1: "
                                      "one top-k over the whole vocabulary).")
+_DRAFT_VOCAB = flags.DEFINE_integer(
+    "draft_vocab", 0, "Rounds and loops: the drafts propose from this many token ids, their "
+    "lm_head rows gathered once per generate call (0: the whole vocabulary).")
 _PRUNE_LEN = flags.DEFINE_integer("prune_len", 2048, "pruned_prefill: padded prompt tokens.")
 _PRUNE_SPARSITY = flags.DEFINE_float(
     "prune_sparsity", 0.3, "pruned_prefill: mean sparsity S of the uniform schedule (block "
@@ -130,8 +133,11 @@ def main(argv):
       train_batch_per_device=_TRAIN_BATCH.value, train_len=_TRAIN_LEN.value,
       drafts=drafts_of(_TARGET.value, _CONFIG.value), layers=_LAYERS.value,
       vocab_blocks=_VOCAB_BLOCKS.value or defaults.vocab_blocks,
+      draft_vocab=_DRAFT_VOCAB.value,
       prune_len=_PRUNE_LEN.value,
       prune_schedule=_PRUNE_SCHEDULE.value or f"uniform:{_PRUNE_SPARSITY.value}")
+  if settings.draft_vocab < 0:
+    raise app.UsageError(f"--draft_vocab must be >= 0; got {settings.draft_vocab}")
   for name in settings.methods or ():
     if name not in registry.names():
       raise app.UsageError(f"--methods: unknown method {name!r}; known: "

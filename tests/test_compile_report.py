@@ -467,3 +467,25 @@ def test_pruned_prefill_jobs_and_ratios(tmp_path):
   with pytest.raises(ValueError, match="2 entries, the model has 4 layers"):
     cr.pruned_prefill_jobs(dataclasses.replace(settings, prune_schedule=str(wrong)),
                            config, mesh)
+
+
+def test_round_with_a_draft_vocabulary_reads_its_rows_not_the_head():
+  """A round whose drafts propose from K token ids gets the K lm_head rows as an argument
+  (gathered once per generate call) and moves about one full head less per draft forward
+  saved row-wise: the compile report's `--draft_vocab`."""
+  gpu = aot.platform("h100", 1)  # XLA:TPU keeps a tiny head on chip: no bytes to see
+  mesh = sharding.make_mesh((1, 1, 1), devices=gpu.devices)
+  config = tiny().replace(vocab_size=8192)
+  moved = {}
+  for k in (0, 1024):
+    drafter = cr.method_drafter("eagle2", "config", config, {}, draft_vocab=k)
+    assert len(drafter.draft_vocab) == k
+    program = programs.round_program(config, drafter, mesh, 1, 32, 256)
+    assert len(program.args) == (6 if k else 5)
+    with aot.quiet_native_stderr():
+      moved[k] = aot.hbm_bytes(program.lower().compile().as_text())
+  forwards = registry.make_drafter("eagle2", config).draft_forwards_per_round()
+  saved = forwards * (config.vocab_size - 1024) * config.hidden_size * 2
+  assert moved[0] - moved[1024] >= 0.8 * saved, (moved, saved)
+  lookup = cr.method_drafter("lookup", "config", config, {}, draft_vocab=1024)
+  assert not getattr(lookup, "draft_vocab", ())  # no head: the option does not apply

@@ -1,8 +1,10 @@
 """Drafting from a token subset (`draft_vocab`): lossless, candidates inside it, saved."""
 
 import dataclasses
+import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.io import load_draft, save_draft
 from jakiro_jax.speculative.autoregressive import generate_ar
 from jakiro_jax.speculative.generate import draft_tree, generate
+from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import target_from_torch
 from jakiro_jax.speculative.drafter import TargetHead
@@ -73,3 +76,45 @@ def test_bad_draft_vocab_is_refused(target, vocab, message):
   with pytest.raises(ValueError, match=message):
     make_drafter("eagle2", target.config, TreeConfig(top_k=3, depth=2, total_tokens=6),
                  draft_vocab=vocab)
+
+
+def _gathers(jaxpr, shape) -> int:
+  """Gather equations in `jaxpr` and its sub-jaxprs whose output has `shape`."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "gather" and tuple(eqn.outvars[0].aval.shape) == shape:
+      count += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _gathers(sub, shape)
+  return count
+
+
+def test_loop_gathers_the_subset_rows_once_outside_its_while_loop(target):
+  """The K lm_head rows are gathered once per generate call, so a round's draft forwards
+  read K rows and not V (with the gather in the loop body every round would copy them)."""
+  from jakiro_jax.models.llama import new_cache
+  from jakiro_jax.speculative.generate import _speculative_loop
+  drafter = make_drafter("eagle2", target.config, CASES[0][1], draft_vocab=VOCAB)
+  params = drafter.init_params(jax.random.PRNGKey(1))
+  batch, prompt_len, max_len = 1, 8, 64
+  closed = jax.make_jaxpr(functools.partial(
+      _speculative_loop, target_config=target.config, drafter=drafter, max_new_tokens=16,
+      sampling=SamplingConfig(), stop_ids=(), pad_id=0))(
+          target.params, params, jnp.ones((batch, prompt_len), jnp.int32),
+          jnp.full((batch,), prompt_len), jnp.full((batch,), 16), jax.random.PRNGKey(0),
+          new_cache(target.config, batch, max_len), drafter.new_cache(batch, max_len))
+  rows = (len(VOCAB), target.config.hidden_size)
+  loops = [e for e in closed.jaxpr.eqns if e.primitive.name == "while"]
+  assert len(loops) == 1
+  assert _gathers(closed.jaxpr, rows) == 1
+  assert _gathers(loops[0].params["body_jaxpr"].jaxpr, rows) == 0
+
+
+def test_head_with_gathered_rows_gives_the_same_logits(target):
+  drafter = make_drafter("eagle2", target.config, draft_vocab=VOCAB)
+  hidden = jax.random.normal(jax.random.PRNGKey(2), (2, 3, target.config.hidden_size))
+  plain = target_head(target)
+  bound = TargetHead.of(target.config, target.params, draft_vocab=VOCAB)
+  assert bound.draft_rows.shape == (len(VOCAB), target.config.hidden_size)
+  np.testing.assert_array_equal(drafter.head_logits(bound, hidden),
+                                drafter.head_logits(plain, hidden))

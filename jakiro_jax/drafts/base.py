@@ -135,7 +135,10 @@ class DraftHead:
     if not self.draft_vocab:
       return head.logits(hidden)
     ids = jnp.asarray(self.draft_vocab, jnp.int32)
-    sub = jnp.einsum("...D,KD->...K", hidden, head.lm_head[ids]).astype(jnp.float32)
+    rows = head.draft_rows
+    if rows is None or rows.shape[0] != ids.shape[0]:  # a head built without the subset
+      rows = head.lm_head[ids]
+    sub = jnp.einsum("...D,KD->...K", hidden, rows).astype(jnp.float32)
     full = jnp.full(hidden.shape[:-1] + (self.target_config.vocab_size,), -1e30, jnp.float32)
     return full.at[..., ids].set(sub)
 

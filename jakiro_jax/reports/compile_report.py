@@ -69,6 +69,10 @@ class ReportSettings:
   drafts: Any = None  # {method: config block} (the config file's `drafts`); None: defaults
   layers: int | None = None  # the target with this many layers (isolating a cost); None: all
   vocab_blocks: int = VOCAB_BLOCKS  # the drafts' top-k blocks (1: one top-k, as on a CPU)
+  # Rounds and loops: the trained drafts propose from this many token ids (0: the whole
+  # vocabulary). Ids 0..K-1 stand in for a frequency-ranked subset: bytes and flops
+  # depend on K, not on which ids.
+  draft_vocab: int = 0
   # pruned_prefill: dense, FTP (static router, gathered) and ShortGPT prefills of prune_len
   # tokens; prune_schedule as `prune.assets.static_schedule` reads it ("uniform:S", a
   # shipped name, a schedule.json / router.json path); ShortGPT at the schedule's mean.
@@ -99,12 +103,22 @@ def default_mesh(num_devices: int, config, training: bool = False) -> tuple[int,
   return (num_devices // tensor, 1, tensor)
 
 
-def method_drafter(method: str, tree_set: str, config, drafts: Mapping | None):
+def drafts_from_subset(method: str, config, draft_vocab: int) -> bool:
+  """Whether `method` takes a draft vocabulary and `draft_vocab` is one (< the vocab)."""
+  fields = getattr(registry.get(method), "__dataclass_fields__", {})
+  return 0 < draft_vocab < config.vocab_size and "draft_vocab" in fields
+
+
+def method_drafter(method: str, tree_set: str, config, drafts: Mapping | None,
+                   draft_vocab: int = 0):
   """The drafter of `method` at the config's tree ("config": its block in `drafts`, or
-  the method's default) or at the paper's tree ("papers")."""
+  the method's default) or at the paper's tree ("papers"); with `draft_vocab` < the
+  vocabulary, a method that has the option proposes from token ids 0..draft_vocab-1."""
   tree, options = registry.split_block(registry.config_block({"drafts": drafts or {}},
                                                               method))
   tree, options = registry.tree_set_choice(method, tree_set, tree, options)
+  if drafts_from_subset(method, config, draft_vocab):
+    options = dict(options, draft_vocab=tuple(range(draft_vocab)))
   return registry.make_drafter(method, config, tree, **options)
 
 
@@ -145,13 +159,15 @@ def jobs(settings: ReportSettings, config, platform: aot.Platform) -> list[Job]:
         for tree_set in s.tree_sets:
           for b in s.spec_batches:
             def build(method=method, tree_set=tree_set, b=b, kind=kind):
-              drafter = method_drafter(method, tree_set, config, s.drafts)
+              drafter = method_drafter(method, tree_set, config, s.drafts, s.draft_vocab)
               if kind == "round":
                 return programs.round_program(config, drafter, mesh, b, s.max_new_tokens,
                                               s.max_len)
               return programs.spec_loop_program(config, drafter, mesh, b, s.prompt_len,
                                                 s.max_new_tokens, s.max_len)
-            out.append(Job(f"{kind} {method} {tree_set} b{b}", kind, build))
+            tag = (f" dv{s.draft_vocab}" if drafts_from_subset(method, config, s.draft_vocab)
+                   else "")
+            out.append(Job(f"{kind} {method} {tree_set} b{b}{tag}", kind, build))
     elif kind == "pruned_prefill":
       out += pruned_prefill_jobs(s, config, mesh)
     elif kind == "train":

@@ -253,14 +253,30 @@ def round_program(config: LlamaConfig, drafter, mesh, batch: int, max_new_tokens
   state = jax.eval_shape(functools.partial(spec._speculative_loop, **static), target,
                          draft, jax.ShapeDtypeStruct((batch, 8), jnp.int32), lengths,
                          budgets, key, *caches)
-  fn = jax.jit(functools.partial(spec.speculative_round,
-                                 **{k: static[k] for k in spec.ROUND_STATIC_ARGS}),
-               in_shardings=(out_sh, in_sh[0], in_sh[1], in_sh[4], in_sh[5]),
-               out_shardings=out_sh, donate_argnums=(0,))
+  round_static = {k: static[k] for k in spec.ROUND_STATIC_ARGS}
+  in_shardings = (out_sh, in_sh[0], in_sh[1], in_sh[4], in_sh[5])
   args = (placed(state, out_sh), target, draft, budgets, key)
+  if drafter.draft_vocab:
+    # The loop gathers the draft vocabulary's lm_head rows once, before its while loop
+    # (`generate.drafting_head`): here they are an argument of the round.
+    rows_shape = (len(drafter.draft_vocab), config.hidden_size)
+    rows_sh = sharding.logical_sharding(sharding.HEAD_AXES, rows_shape, mesh)
+    rows = jax.ShapeDtypeStruct(rows_shape, jnp.dtype(config.dtype), sharding=rows_sh)
+
+    def with_rows(state, target, draft, budgets, key, draft_rows):
+      head = dataclasses.replace(TargetHead.of(config, target), draft_rows=draft_rows)
+      return spec.speculative_round(state, target, draft, budgets, key, head,
+                                    **round_static)
+
+    fn = jax.jit(with_rows, in_shardings=in_shardings + (rows_sh,),
+                 out_shardings=out_sh, donate_argnums=(0,))
+    args += (rows,)
+  else:
+    fn = jax.jit(functools.partial(spec.speculative_round, **round_static),
+                 in_shardings=in_shardings, out_shardings=out_sh, donate_argnums=(0,))
   return Program("round", fn, args, dict(
       batch=batch, max_new_tokens=max_new_tokens, cache_slots=max_len,
-      **_tree_info(drafter)), weights)
+      draft_vocab=len(drafter.draft_vocab), **_tree_info(drafter)), weights)
 
 
 def train_program(config: LlamaConfig, drafter, mesh, batch: int, length: int,

@@ -28,18 +28,25 @@ class TargetHead:
   """The target's token embedding and lm_head: all a draft reads of the target's weights.
 
   In training `lm_head` may be a row subset `[K, D]` (`train/vocab_subset.py`); drafting
-  always binds the full head.
+  always binds the full head, and with a draft vocabulary also its K rows (`draft_rows`),
+  gathered once per generate call so that a round's draft forwards read K rows, not V.
   """
   embedding: jax.Array  # [V, D]
   lm_head: jax.Array  # [V, D] (the embedding when the target ties them)
+  draft_rows: jax.Array | None = None  # [K, D] = lm_head[drafter.draft_vocab], or None
 
   @classmethod
-  def of(cls, target_config: LlamaConfig, target_params, lm_head=None) -> "TargetHead":
+  def of(cls, target_config: LlamaConfig, target_params, lm_head=None,
+         draft_vocab: tuple[int, ...] = ()) -> "TargetHead":
+    """The target's head; with `draft_vocab` (a drafter's) its rows gathered as well."""
     params = target_params["params"]
     embedding = params["embed_tokens"]["embedding"]
     if lm_head is None:
       lm_head = embedding if target_config.tie_word_embeddings else params["lm_head"]
-    return cls(embedding=embedding, lm_head=lm_head)
+    rows = None
+    if draft_vocab:
+      rows = jnp.take(lm_head, jnp.asarray(draft_vocab, jnp.int32), axis=0)
+    return cls(embedding=embedding, lm_head=lm_head, draft_rows=rows)
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """Token ids `[...]` -> embeddings `[..., D]`."""

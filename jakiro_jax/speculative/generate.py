@@ -109,14 +109,22 @@ def first_stop(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
 ROUND_STATIC_ARGS = ("target_config", "drafter", "max_new_tokens", "sampling", "stop_ids")
 
 
+def drafting_head(target_config: LlamaConfig, target_params, drafter) -> TargetHead:
+  """The head a drafter reads: the target's, plus its draft vocabulary's rows if any."""
+  return TargetHead.of(target_config, target_params,
+                       draft_vocab=getattr(drafter, "draft_vocab", ()))
+
+
 def speculative_round(s: SpecState, target_params, draft_params, budgets: jax.Array,
-                      rng: jax.Array, *, target_config: LlamaConfig, drafter,
-                      max_new_tokens: int, sampling: SamplingConfig,
-                      stop_ids: tuple[int, ...]) -> SpecState:
+                      rng: jax.Array, head: TargetHead | None = None, *,
+                      target_config: LlamaConfig, drafter, max_new_tokens: int,
+                      sampling: SamplingConfig, stop_ids: tuple[int, ...]) -> SpecState:
   """One round of the loop: draft a tree, verify it, commit the accepted path, feed the
-  draft. budgets `[B]`; `rng` the loop's key (the round folds in its index)."""
+  draft. budgets `[B]`; `rng` the loop's key (the round folds in its index); `head`
+  (`drafting_head`), built once by the loop, else here."""
   model = Llama(target_config)
-  head = TargetHead.of(target_config, target_params)
+  if head is None:
+    head = drafting_head(target_config, target_params, drafter)
   batch = s.root.shape[0]
   rows = jnp.arange(batch)
   max_path = drafter.tree.max_path
@@ -179,7 +187,7 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
   `target_config`: a drafter built for another config would otherwise change the target.
   """
   model = Llama(target_config)
-  head = TargetHead.of(target_config, target_params)
+  head = drafting_head(target_config, target_params, drafter)  # outside the while loop
   batch = prompt.shape[0]
   rows = jnp.arange(batch)
 
@@ -205,7 +213,7 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
 
   body = functools.partial(speculative_round, target_params=target_params,
                            draft_params=draft_params, budgets=budgets, rng=rng,
-                           target_config=target_config, drafter=drafter,
+                           head=head, target_config=target_config, drafter=drafter,
                            max_new_tokens=max_new_tokens, sampling=sampling,
                            stop_ids=stop_ids)
   return jax.lax.while_loop(cond, body, state)

@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.models.llama import Llama, new_cache
 from jakiro_jax.speculative.generate import (check_draft_fits, draft_context, draft_tree,
-                                             verify_tree)
+                                             drafting_head, verify_tree)
 from jakiro_jax.speculative.sampling import SamplingConfig
 
 
@@ -112,11 +111,10 @@ def round_split(target, drafter, draft_params, context_len: int,
   lengths = jnp.array([context_len], jnp.int32)
   width = tree_cfg.max_path
 
-  def draft_part(draft_params, target_params, cache):
+  def draft_part(draft_params, head, cache):
     tokens = jnp.ones((1, width), jnp.int32)
     features = jnp.zeros((1, width, target.config.hidden_size), target.config.dtype)
     count = jnp.array([width], jnp.int32)
-    head = TargetHead.of(target.config, target_params)
     root_hidden, cache = draft_context(drafter, draft_params, head, tokens, features, count,
                                        cache)
     tree, _ = draft_tree(drafter, draft_params, head, root_hidden, tokens[:, 0],
@@ -125,7 +123,8 @@ def round_split(target, drafter, draft_params, context_len: int,
 
   draft_cache = drafter.new_cache(1, max_len).replace(lengths=lengths - width)
   draft_jit = jax.jit(draft_part)
-  tree = draft_jit(draft_params, target.params, draft_cache)
+  head = drafting_head(target.config, target.params, drafter)  # once, as `generate` does
+  tree = draft_jit(draft_params, head, draft_cache)
 
   model = Llama(target.config)
 
@@ -135,7 +134,7 @@ def round_split(target, drafter, draft_params, context_len: int,
     return result.path
 
   target_cache = new_cache(target.config, 1, max_len).replace(lengths=lengths)
-  draft_ms = median_ms(lambda: draft_jit(draft_params, target.params, draft_cache))
+  draft_ms = median_ms(lambda: draft_jit(draft_params, head, draft_cache))
   verify_jit = jax.jit(verify_part)
   verify_ms = median_ms(lambda: verify_jit(target.params, tree, target_cache))
   return {"draft_ms": draft_ms, "verify_ms": verify_ms,
