@@ -174,7 +174,9 @@ class GumihoDrafter(DraftHead):
     head, hidden_root = inputs.head, inputs.carried_root
     k, batch = self.tree.top_k, hidden_root.shape[0]
     slots = self.serial_steps * k
-    frontier = level_one(self.log_probs(head, hidden_root), hidden_root, k, slots)
+    ids = self.ranked_ids  # the draft vocabulary's token ids, () = all
+    frontier = level_one(self.ranked_log_probs(head, hidden_root), hidden_root, k, slots,
+                         ids)
     pool_tokens, pool_scores = [frontier.tokens], [frontier.scores]
     pool_parent = [jnp.full((batch, k), -1, jnp.int32)]
     previous, cache = frontier, inputs.cache
@@ -184,7 +186,7 @@ class GumihoDrafter(DraftHead):
         ancestor = jnp.zeros((batch, k, slots), bool).at[:, :, i * k:(i + 1) * k].set(causal)
         frontier = frontier.replace(ancestor=ancestor)
       hidden, cache = inputs.run_forward(i, frontier, cache)
-      child_scores, child_tokens = topk_level(self.log_probs(head, hidden), k)
+      child_scores, child_tokens = topk_level(self.ranked_log_probs(head, hidden), k, ids)
       cumulative = (child_scores + frontier.scores[:, :, None]).reshape(batch, k * k)
       previous, frontier = frontier, next_frontier(
           frontier, cumulative, child_tokens.reshape(batch, k * k), hidden, i, slots,
@@ -203,7 +205,7 @@ class GumihoDrafter(DraftHead):
         jnp.take_along_axis(previous.hidden, first_rows[:, :, None], axis=1),
         frontier.hidden], axis=2)  # [B, K, 2, D]
     mlp_hidden = self.mlp_heads(inputs.params, head, pair_tokens, pair_hidden)
-    mlp_logp = self.log_probs(head, mlp_hidden)  # [B, K, M, V]
+    mlp_logp = self.ranked_log_probs(head, mlp_hidden)  # [B, K, M, V or the subset's K']
 
     next_id = k * (1 + self.serial_steps)
     rows = jnp.broadcast_to(jnp.arange(k), (batch, k))
@@ -211,7 +213,7 @@ class GumihoDrafter(DraftHead):
     q, p = self.mlp_topk, self.pruning
     for i in range(self.mlp_num):
       logp = jnp.take_along_axis(mlp_logp[:, :, i], rows[:, :, None], axis=1)  # [B, F, V]
-      child_scores, child_tokens = topk_level(logp, q)
+      child_scores, child_tokens = topk_level(logp, q, ids)
       width = logp.shape[1]
       cumulative = (child_scores + level_scores[:, :, None]).reshape(batch, width * q)
       best_scores, best = jax.lax.top_k(cumulative, p)

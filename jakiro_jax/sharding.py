@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jakiro_jax.models import tree_attention
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import init_params
 
@@ -213,8 +214,14 @@ def jit_with_shardings(fn, static: dict, in_shardings, out_shardings,
   key = (fn, tuple(sorted(static.items())), frozen(in_shardings), frozen(out_shardings),
          donate_argnums)
   if key not in _JITS:
-    _JITS[key] = jax.jit(functools.partial(fn, **static), in_shardings=in_shardings,
-                         out_shardings=out_shardings, donate_argnums=donate_argnums)
+    bound = functools.partial(fn, **static)
+    if not tree_attention.single_device(in_shardings):
+      # GSPMD does not partition a Pallas call: the GPU attention kernel is traced out.
+      def bound(*args, _fn=bound):
+        with tree_attention.fused_tree_attention(False):
+          return _fn(*args)
+    _JITS[key] = jax.jit(bound, in_shardings=in_shardings, out_shardings=out_shardings,
+                         donate_argnums=donate_argnums)
   return _JITS[key]
 
 

@@ -118,3 +118,29 @@ def test_head_with_gathered_rows_gives_the_same_logits(target):
   assert bound.draft_rows.shape == (len(VOCAB), target.config.hidden_size)
   np.testing.assert_array_equal(drafter.head_logits(bound, hidden),
                                 drafter.head_logits(plain, hidden))
+
+
+@pytest.mark.parametrize("method,tree,options", CASES)
+def test_ranking_the_subset_drafts_the_tree_ranking_the_whole_vocabulary_does(
+    target, method, tree, options, monkeypatch):
+  """The beam ranks log-probs over the K subset tokens (no `[..., V]` array): the same
+  tree, node for node, as ranking the whole vocabulary with -1e30 outside the subset."""
+  from jakiro_jax.drafts.base import DraftHead
+  drafter = make_drafter(method, target.config, tree, draft_vocab=VOCAB, **options)
+  params = drafter.init_params(jax.random.PRNGKey(4))
+  batch, ctx = 2, 6
+  cache = drafter.new_cache(batch, 64).replace(lengths=jnp.full((batch,), ctx))
+  hidden = jax.random.normal(jax.random.PRNGKey(5), (batch, target.config.hidden_size))
+  head = TargetHead.of(target.config, target.params, draft_vocab=VOCAB)
+
+  def tree_now():
+    return draft_tree(drafter, params, head, hidden, jnp.array([1, 2]), cache)[0]
+
+  ranked = tree_now()
+  assert ranked.tokens.shape[1] == drafter.tree.total_tokens
+  monkeypatch.setattr(DraftHead, "ranked_log_probs", DraftHead.log_probs)
+  monkeypatch.setattr(DraftHead, "ranked_ids", ())
+  whole = tree_now()
+  for field in ("tokens", "depth", "ancestor"):
+    np.testing.assert_array_equal(np.asarray(getattr(ranked, field)),
+                                  np.asarray(getattr(whole, field)))

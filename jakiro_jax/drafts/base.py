@@ -135,16 +135,34 @@ class DraftHead:
     if not self.draft_vocab:
       return head.logits(hidden)
     ids = jnp.asarray(self.draft_vocab, jnp.int32)
-    rows = head.draft_rows
-    if rows is None or rows.shape[0] != ids.shape[0]:  # a head built without the subset
-      rows = head.lm_head[ids]
-    sub = jnp.einsum("...D,KD->...K", hidden, rows).astype(jnp.float32)
+    sub = self._subset_logits(head, hidden)
     full = jnp.full(hidden.shape[:-1] + (self.target_config.vocab_size,), -1e30, jnp.float32)
     return full.at[..., ids].set(sub)
 
   def log_probs(self, head: TargetHead, hidden):
     """Draft log-probs `[..., D]` -> `[..., V]` (see `head_logits`)."""
     return jax.nn.log_softmax(self.head_logits(head, hidden), axis=-1)
+
+  def ranked_log_probs(self, head: TargetHead, hidden):
+    """What the beam ranks: `[..., D]` -> log-probs over the draft vocabulary `[..., K]`
+    (token ids `ranked_ids`), or over the whole vocabulary `[..., V]` without one. The
+    same values as `log_probs` on those tokens, without a `[..., V]` array to rank (on a
+    TPU a top-k over it is a sort of the whole vocabulary at every level)."""
+    if not self.draft_vocab:
+      return self.log_probs(head, hidden)
+    return jax.nn.log_softmax(self._subset_logits(head, hidden), axis=-1)
+
+  def _subset_logits(self, head: TargetHead, hidden):
+    """fp32 logits `[..., K]` of the draft vocabulary's tokens."""
+    rows = head.draft_rows
+    if rows is None or rows.shape[0] != len(self.draft_vocab):  # built without the subset
+      rows = head.lm_head[jnp.asarray(self.draft_vocab, jnp.int32)]
+    return jnp.einsum("...D,KD->...K", hidden, rows).astype(jnp.float32)
+
+  @property
+  def ranked_ids(self) -> tuple[int, ...]:
+    """Token ids of `ranked_log_probs`' last axis; () = the whole vocabulary."""
+    return self.draft_vocab
 
   def loss_phase(self, settings, epoch: int):
     return settings

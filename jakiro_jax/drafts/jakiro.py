@@ -125,8 +125,8 @@ class JakiroDrafter(Eagle2Drafter):
       return super().tree_step(i, frontier, inputs, state)
     if i == depth - 2:  # one forward, two levels
       out, cache = inputs.run_forward(i, frontier, state.cache)
-      right_logp = self.log_probs(inputs.head, out.right)  # rows: this frontier
-      return (self.log_probs(inputs.head, out.left), out.left,
+      right_logp = self.ranked_log_probs(inputs.head, out.right)  # rows: this frontier
+      return (self.ranked_log_probs(inputs.head, out.left), out.left,
               state.replace(cache=cache, right_logp=right_logp))
     # i == depth - 1: no forward. Level D+1 hangs under the level-D frontier; its
     # distribution came from each node's parent row at the previous step.

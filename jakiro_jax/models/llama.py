@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
                                      rope_inverse_frequencies)
+from jakiro_jax.models import tree_attention
 from jakiro_jax.models.kv_cache import KVCache
 
 _INIT_STDDEV = 0.02  # HF initializer_range default
@@ -124,6 +125,14 @@ def attention_probs(q: jax.Array, keys: jax.Array, mask: jax.Array,
   return jax.nn.softmax(scores, axis=-1)
 
 
+def xla_attention(q: jax.Array, keys: jax.Array, values: jax.Array,
+                  mask: jax.Array) -> jax.Array:
+  """q `[B, T, K, G, H]` over keys / values `[B, K, S, H]` under mask `[B, T, S]` ->
+  `[B, T, K, G, H]` (values' dtype): the expression every platform but a GPU runs."""
+  probs = attention_probs(q, keys, mask, q.shape[-1]).astype(values.dtype)
+  return attention_values(probs, values)
+
+
 class Attention(nn.Module):
   """Grouped-query attention over the static cache of one layer.
 
@@ -183,10 +192,11 @@ class Attention(nn.Module):
       key_positions = key_positions.at[rows, slots].set(positions, mode="drop")
       mask = mask & (key_positions[:, None, :] > positions[:, :, None] - window)
 
-    probs = attention_probs(q, keys, mask, hd).astype(values.dtype)
-    out = self._output(attention_values(probs, values))
     cache = cache.replace(k=k_all, v=v_all)
-    return (out, cache, probs) if return_probs else (out, cache)
+    if return_probs:
+      probs = attention_probs(q, keys, mask, hd).astype(values.dtype)
+      return self._output(attention_values(probs, values)), cache, probs
+    return self._output(tree_attention.attention(q, keys, values, mask, xla_attention)), cache
 
   def _within_call(self, q, k_new, v_new, positions, mask, return_probs: bool):
     """Attention among this call's T tokens (mask `[B, T, T]`, the sliding window by

@@ -32,6 +32,7 @@ from jakiro_jax import sharding
 from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, init_params, new_cache
+from jakiro_jax.models.tree_attention import fused_tree_attention, single_device
 from jakiro_jax.prune.baselines import removed_count
 from jakiro_jax.prune.flops import schedule_flops
 from jakiro_jax.prune.prefill import PrunedPrefill
@@ -56,8 +57,10 @@ class Program:
 
   def lower(self, blocks: int = VOCAB_BLOCKS):
     """Traced as on the accelerator it is compiled for (`blocks`: the drafts' top-k
-    blocks there)."""
-    with vocab_blocks(blocks):
+    blocks there; the GPU attention kernel only where the program runs on one device,
+    as `sharding.jit_with_shardings` decides)."""
+    shardings = [x.sharding for x in jax.tree.leaves(self.args)]
+    with vocab_blocks(blocks), fused_tree_attention(single_device(shardings)):
       return self.fn.lower(*self.args)
 
   def floor_bytes(self) -> int:
@@ -256,10 +259,11 @@ def round_program(config: LlamaConfig, drafter, mesh, batch: int, max_new_tokens
   round_static = {k: static[k] for k in spec.ROUND_STATIC_ARGS}
   in_shardings = (out_sh, in_sh[0], in_sh[1], in_sh[4], in_sh[5])
   args = (placed(state, out_sh), target, draft, budgets, key)
-  if drafter.draft_vocab:
+  subset = getattr(drafter, "draft_vocab", ())  # prompt lookup has no head
+  if subset:
     # The loop gathers the draft vocabulary's lm_head rows once, before its while loop
     # (`generate.drafting_head`): here they are an argument of the round.
-    rows_shape = (len(drafter.draft_vocab), config.hidden_size)
+    rows_shape = (len(subset), config.hidden_size)
     rows_sh = sharding.logical_sharding(sharding.HEAD_AXES, rows_shape, mesh)
     rows = jax.ShapeDtypeStruct(rows_shape, jnp.dtype(config.dtype), sharding=rows_sh)
 
@@ -276,7 +280,7 @@ def round_program(config: LlamaConfig, drafter, mesh, batch: int, max_new_tokens
                  in_shardings=in_shardings, out_shardings=out_sh, donate_argnums=(0,))
   return Program("round", fn, args, dict(
       batch=batch, max_new_tokens=max_new_tokens, cache_slots=max_len,
-      draft_vocab=len(drafter.draft_vocab), **_tree_info(drafter)), weights)
+      draft_vocab=len(subset), **_tree_info(drafter)), weights)
 
 
 def train_program(config: LlamaConfig, drafter, mesh, batch: int, length: int,

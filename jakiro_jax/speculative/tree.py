@@ -142,9 +142,13 @@ def _blocks_here() -> int:
   return 1 if jax.default_backend() == "cpu" else VOCAB_BLOCKS
 
 
-def topk_level(logp: jax.Array, k: int):
+def topk_level(logp: jax.Array, k: int, vocab_ids: tuple[int, ...] = ()):
   """Per-row top-k: `[..., V]` log-probs -> (scores, tokens) `[..., k]`, exactly
-  `lax.top_k` (ties to the lower token id), ranked block by block then merged."""
+  `lax.top_k` (ties to the lower token id), ranked block by block then merged.
+  `vocab_ids` (ascending): the token id of each entry of the last axis; () = its index."""
+  if vocab_ids:
+    scores, picks = topk_level(logp, k)
+    return scores, jnp.take(jnp.asarray(vocab_ids, jnp.int32), picks)
   vocab = logp.shape[-1]
   blocks = math.gcd(vocab, _blocks_here())
   if blocks == 1 or vocab // blocks < k:
@@ -154,6 +158,13 @@ def topk_level(logp: jax.Array, k: int):
   block_scores, block_tokens = jax.lax.top_k(
       logp.reshape(logp.shape[:-1] + (blocks, width)), k)  # [..., blocks, k]
   block_tokens = block_tokens + (jnp.arange(blocks, dtype=block_tokens.dtype) * width)[:, None]
+  # With the vocabulary sharded over devices, each holds some blocks: a sum over the
+  # blocks axis (one all-reduce each, of blocks x k numbers) hands every device all the
+  # candidates, where a top-k over the sharded axis runs as rounds of permutes. Exact:
+  # each sum adds zeros to one value.
+  own = jnp.eye(blocks, dtype=bool)[:, :, None]  # [blocks, blocks, 1]
+  block_scores = jnp.where(own, block_scores[..., :, None, :], 0).sum(axis=-3)
+  block_tokens = jnp.where(own, block_tokens[..., :, None, :], 0).sum(axis=-3)
   flat = logp.shape[:-1] + (blocks * k,)
   # Equal scores keep block order, and within a block token order: lower ids first.
   scores, pick = jax.lax.top_k(block_scores.reshape(flat), k)
@@ -161,10 +172,11 @@ def topk_level(logp: jax.Array, k: int):
   return scores, tokens.astype(jnp.int32)
 
 
-def level_one(logp_root: jax.Array, hidden_root: jax.Array, k: int, slots: int) -> Frontier:
+def level_one(logp_root: jax.Array, hidden_root: jax.Array, k: int, slots: int,
+              vocab_ids: tuple[int, ...] = ()) -> Frontier:
   """The K best children of the root (candidates 0..K-1) as the first frontier."""
   batch = logp_root.shape[0]
-  scores, tokens = topk_level(logp_root, k)
+  scores, tokens = topk_level(logp_root, k, vocab_ids)
   return Frontier(
       candidate=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
       tokens=tokens, scores=scores,
@@ -198,7 +210,8 @@ def next_frontier(frontier: Frontier, cumulative: jax.Array, child_tokens: jax.A
 
 
 def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
-                config: TreeConfig, state: Any) -> tuple[Candidates, Any]:
+                config: TreeConfig, state: Any,
+                vocab_ids: tuple[int, ...] = ()) -> tuple[Candidates, Any]:
   """EAGLE-2 level expansion -> (candidates, the final `state`).
 
   logp_root `[B, V]`: draft log-probs after the root; hidden_root `[B, D]`: the draft
@@ -206,17 +219,18 @@ def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
   hidden [B, K, D], state)` runs the draft over the frontier's K nodes (tree step i,
   draft slots i*K .. i*K+K-1); `state` is the caller's declared pytree carried from step
   to step (the draft cache, and whatever else a method passes on). The K best children
-  (by cumulative log-prob) of each step form the next frontier.
+  (by cumulative log-prob) of each step form the next frontier. `vocab_ids`: the token
+  ids of the log-probs' last axis (a draft vocabulary); () = the whole vocabulary.
   """
   k = config.top_k
   batch = logp_root.shape[0]
   slots = config.depth * k
-  frontier = level_one(logp_root, hidden_root, k, slots)
+  frontier = level_one(logp_root, hidden_root, k, slots, vocab_ids)
   all_tokens, all_scores = [frontier.tokens], [frontier.scores]
   all_parents = [jnp.full((batch, k), -1, jnp.int32)]
   for i in range(config.depth):
     logp, hidden, state = step(i, frontier, state)
-    child_scores, child_tokens = topk_level(logp, k)  # [B, K, K]
+    child_scores, child_tokens = topk_level(logp, k, vocab_ids)  # [B, K, K]
     cumulative = (child_scores + frontier.scores[:, :, None]).reshape(batch, k * k)
     child_tokens = child_tokens.reshape(batch, k * k)
     first = k + i * k * k  # candidate id of this block's first entry

@@ -1,0 +1,95 @@
+"""The GPU attention kernel for a few tokens over the cache (`models/tree_attention.py`):
+the same numbers as the XLA expression (Pallas's interpreter here), used only where it
+applies, in a one-H100 program and never in a program sharded over devices."""
+
+from jakiro_jax.reports import aot  # first: the compile-only environment
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jakiro_jax import sharding  # noqa: E402
+from jakiro_jax.models import tree_attention  # noqa: E402
+from jakiro_jax.models.config import LlamaConfig  # noqa: E402
+from jakiro_jax.models.llama import xla_attention  # noqa: E402
+from jakiro_jax.reports import programs  # noqa: E402
+
+
+def inputs(batch, tokens, kv, groups, head_dim, slots, dtype=jnp.bfloat16, seed=0):
+  r = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(r[0], (batch, tokens, kv, groups, head_dim), dtype)
+  keys = jax.random.normal(r[1], (batch, kv, slots, head_dim), dtype)
+  values = jax.random.normal(r[2], (batch, kv, slots, head_dim), dtype)
+  # A tree's mask: a committed prefix (different per row), then a random ancestor set
+  # with each node seeing itself; the slots past it unseen.
+  prefix = jnp.array([40, 150])[:batch]
+  slot = jnp.arange(slots)
+  seen = slot[None, None] < prefix[:, None, None]
+  nodes = (slot[None, None] >= prefix[:, None, None]) & (
+      slot[None, None] < prefix[:, None, None] + tokens)
+  ancestors = jax.random.bernoulli(r[3], 0.4, (batch, tokens, slots)) & nodes
+  own = slot[None, None] == prefix[:, None, None] + jnp.arange(tokens)[None, :, None]
+  mask = jnp.broadcast_to(seen, (batch, tokens, slots)) | ancestors | own
+  return q, keys, values, mask
+
+
+@pytest.mark.parametrize("tokens,kv,groups,head_dim,slots", [
+    (12, 2, 3, 64, 256),   # SmolLM2's groups, rows padded 36 -> 64
+    (60, 2, 4, 128, 384),  # the papers' tree with Llama-3's groups: 240 rows of 256
+    (7, 1, 1, 32, 128)])   # one kv head, one group, rows padded 7 -> 16
+def test_kernel_equals_the_xla_expression(tokens, kv, groups, head_dim, slots):
+  q, keys, values, mask = inputs(2, tokens, kv, groups, head_dim, slots)
+  got = tree_attention.kernel_attention(q, keys, values, mask, interpret=True)
+  want = xla_attention(q, keys, values, mask)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  # bf16 outputs of values ~N(0, 1): a few units in the last place
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=2e-2)
+  # A key the mask hides does not count: changing its value changes nothing.
+  hidden = ~mask[0, 0]
+  moved = values.at[0, :, :, :].add(jnp.where(hidden[None, :, None], 100.0, 0.0).astype(
+      values.dtype))
+  again = tree_attention.kernel_attention(q, keys, moved, mask, interpret=True)
+  np.testing.assert_array_equal(np.asarray(again[0, 0]), np.asarray(got[0, 0]))
+
+
+def test_where_the_kernel_applies():
+  q, keys, *_ = inputs(1, 12, 2, 3, 64, 256)
+  assert tree_attention.applies(q, keys)
+  assert not tree_attention.applies(q.astype(jnp.float32), keys.astype(jnp.float32))
+  assert not tree_attention.applies(q[:, :1], keys)  # one token: XLA is at the floor
+  assert not tree_attention.applies(q, keys[:, :, :200])  # slots not whole blocks
+  assert not tree_attention.applies(jnp.zeros((1, 100, 2, 3, 64), jnp.bfloat16), keys)
+  with tree_attention.fused_tree_attention(False):
+    assert not tree_attention.applies(q, keys)
+  assert tree_attention.applies(q, keys)
+
+
+def test_on_the_cpu_and_under_grad_the_xla_expression_runs():
+  q, keys, values, mask = inputs(2, 12, 2, 3, 64, 256, dtype=jnp.float32)
+  q, keys, values = (x.astype(jnp.bfloat16) for x in (q, keys, values))
+  got = jax.jit(tree_attention.attention, static_argnums=4)(q, keys, values, mask,
+                                                           xla_attention)
+  want = jax.jit(xla_attention)(q, keys, values, mask)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  loss = lambda f: lambda q: f(q, keys, values, mask).astype(jnp.float32).sum()  # noqa
+  grad = jax.grad(loss(lambda *a: tree_attention.attention(*a, xla_attention)))(q)
+  np.testing.assert_array_equal(np.asarray(grad), np.asarray(jax.grad(loss(xla_attention))(q)))
+
+
+def _verify_hlo(devices: int) -> str:
+  gpu = aot.platform("h100", devices)
+  mesh = sharding.make_mesh((1, 1, devices), devices=gpu.devices)
+  config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                       num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
+                       dtype="bfloat16")
+  program = programs.forward_program(config, mesh, 1, 16, 512)  # a 16-node verify
+  with aot.quiet_native_stderr():
+    return program.lower().compile().as_text()
+
+
+def test_one_h100_verify_uses_the_kernel_and_two_do_not():
+  kernel = 'custom_call_target="__gpu$xla.gpu.triton"'
+  assert _verify_hlo(1).count(kernel) == 2  # one per layer
+  assert _verify_hlo(2).count(kernel) == 0  # heads sharded: GSPMD would replicate it
