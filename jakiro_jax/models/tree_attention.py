@@ -24,8 +24,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+try:  # Pallas's Triton backend; where this JAX lacks it, XLA's attention runs everywhere
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  _TRITON_PARAMS = (getattr(plgpu, "CompilerParams", None)
+                    or getattr(plgpu, "TritonCompilerParams", None))
+except ImportError:
+  pl = plgpu = _TRITON_PARAMS = None
 
 BLOCK_S = 128  # cache slots per step of the walk
 MAX_ROWS = 256  # G x T query rows one program holds (the papers' 60 nodes x 4 groups fit)
@@ -53,7 +59,7 @@ def applies(q: jax.Array, keys: jax.Array) -> bool:
   `[B, K, S, H]` (shapes and dtypes only: decided while tracing)."""
   _, t, _, g, h = q.shape
   s = keys.shape[2]
-  return (_enabled.get() and t > 1 and g * t <= MAX_ROWS and s % BLOCK_S == 0
+  return (_enabled.get() and _TRITON_PARAMS is not None and t > 1 and g * t <= MAX_ROWS and s % BLOCK_S == 0
           and q.dtype in (jnp.bfloat16, jnp.float16) and keys.dtype == q.dtype
           and h >= 16 and h & (h - 1) == 0)
 
@@ -111,7 +117,7 @@ def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
                 pl.BlockSpec((None, None, s, h), lambda i, j: (i, j, 0, 0)),
                 pl.BlockSpec((None, rows, s), lambda i, j: (i, 0, 0))],
       out_specs=pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0)),
-      compiler_params=plgpu.CompilerParams(num_warps=8 if rows > 64 else 4, num_stages=2),
+      compiler_params=_TRITON_PARAMS(num_warps=8 if rows > 64 else 4, num_stages=2),
       interpret=interpret,
       name="tree_attention",
   )(q_rows, keys, values, mask_rows)
