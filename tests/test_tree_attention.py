@@ -78,18 +78,27 @@ def test_on_the_cpu_and_under_grad_the_xla_expression_runs():
   np.testing.assert_array_equal(np.asarray(grad), np.asarray(jax.grad(loss(xla_attention))(q)))
 
 
-def _verify_hlo(devices: int) -> str:
+CONFIG = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                     num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
+                     dtype="bfloat16")
+
+
+def _verify_hlo(devices: int, kernel: bool = True) -> str:
   gpu = aot.platform("h100", devices)
   mesh = sharding.make_mesh((1, 1, devices), devices=gpu.devices)
-  config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
-                       num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
-                       dtype="bfloat16")
-  program = programs.forward_program(config, mesh, 1, 16, 512)  # a 16-node verify
-  with aot.quiet_native_stderr():
-    return program.lower().compile().as_text()
+  program = programs.forward_program(CONFIG, mesh, 1, 16, 512)  # a 16-node verify
+  with aot.quiet_native_stderr(), tree_attention.fused_tree_attention(kernel):
+    return program.fn.lower(*program.args).compile().as_text()
 
 
 def test_one_h100_verify_uses_the_kernel_and_two_do_not():
   kernel = 'custom_call_target="__gpu$xla.gpu.triton"'
-  assert _verify_hlo(1).count(kernel) == 2  # one per layer
-  assert _verify_hlo(2).count(kernel) == 0  # heads sharded: GSPMD would replicate it
+  one = _verify_hlo(1)
+  assert one.count(kernel) == 2  # one per layer
+  assert programs.forward_program(  # Program.lower decides as generate does
+      CONFIG, sharding.make_mesh((1, 1, 2), devices=aot.platform("h100", 2).devices),
+      1, 16, 512).lower().compile().as_text().count(kernel) == 0
+  # The scores stay on chip: at least their f32 write and read a layer less.
+  scores = CONFIG.num_heads * 16 * 512 * 4
+  saved = aot.hbm_bytes(_verify_hlo(1, kernel=False)) - aot.hbm_bytes(one)
+  assert saved >= 2 * scores * CONFIG.num_layers, saved
