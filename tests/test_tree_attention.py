@@ -102,3 +102,14 @@ def test_one_h100_verify_uses_the_kernel_and_two_do_not():
   scores = CONFIG.num_heads * 16 * 512 * 4
   saved = aot.hbm_bytes(_verify_hlo(1, kernel=False)) - aot.hbm_bytes(one)
   assert saved >= 2 * scores * CONFIG.num_layers, saved
+
+
+def test_device_report_check_of_the_kernel(monkeypatch):
+  """What the device report's section d measures on a GPU: the kernel against XLA's
+  attention on one layer's shapes (here through Pallas's interpreter)."""
+  from jakiro_jax.reports import device_report
+  kernel = tree_attention.kernel_attention
+  monkeypatch.setattr(tree_attention, "kernel_attention",
+                      lambda *a: kernel(*a, interpret=True))
+  row = device_report.tree_attention_check(CONFIG, 256, tokens=12)
+  assert 0 < row["max_abs_output"] and row["max_abs_diff"] < 0.05, row

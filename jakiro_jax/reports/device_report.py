@@ -882,6 +882,7 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
   from jakiro_jax.speculative.drafter import TargetHead
   from jakiro_jax.models.kv_cache import causal_mask
   from jakiro_jax.models.llama import init_params, new_cache
+  from jakiro_jax.models.tree_attention import fused_tree_attention
   from jakiro_jax.speculative.batching import round_up
   from jakiro_jax.speculative.tree import TreeConfig
 
@@ -905,7 +906,7 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
       section.extra["weight_bytes"] = weight_bytes(state["params"])
     return state["params"]
 
-  def forward_ms(n: int) -> tuple[float, float]:
+  def forward_ms(n: int, forward=forward) -> tuple[float, float]:
     """(device ms in a loop, ms of one blocked call) of the forward over n tokens."""
     p = params()
     tokens = jnp.ones((1, n), jnp.int32)
@@ -989,8 +990,48 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
       return {"what": f"verify forward ({n} nodes)", "nodes": n, "ms": ms, "call_ms": call_ms,
               "x_ar_step": ms / ar_ms if ar_ms else None}
     section.unit(f"verify/{n}", verify_row)
+  if jax.default_backend() == "gpu" and 60 in settings["node_counts"]:
+    # The verify with XLA's attention in place of the tree-attention kernel (fresh jits:
+    # a traced program keeps the choice it was traced with), and the kernel's numbers.
+    def xla_verify_row():
+      with fused_tree_attention(False):
+        ms, call_ms = forward_ms(60, decode_step_fn(cfg))
+      return {"what": "verify forward (60 nodes), XLA's attention", "nodes": 60, "ms": ms,
+              "call_ms": call_ms, "x_ar_step": ms / ar_ms if ar_ms else None,
+              "kernel": False}
+    section.unit("verify/60/xla_attention", xla_verify_row)
+    section.unit("tree_attention/check", lambda: tree_attention_check(cfg, slots))
+  else:
+    section.skip("verify/60/xla_attention", "the tree-attention kernel runs on GPUs only")
   state.clear()  # frees the 7B weights before the next section
   return section.finish()
+
+
+def tree_attention_check(cfg, slots: int, tokens: int = 60) -> dict:
+  """The GPU kernel against XLA's attention on this device, on one layer's shapes of
+  `cfg` (random bf16 queries, keys and values; a causal mask over `slots`)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jakiro_jax.models import tree_attention
+  from jakiro_jax.models.llama import xla_attention
+
+  keys_rng = jax.random.split(jax.random.PRNGKey(0), 3)
+  shape_q = (1, tokens, cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim)
+  shape_kv = (1, cfg.num_kv_heads, slots, cfg.head_dim)
+  q = jax.random.normal(keys_rng[0], shape_q, jnp.bfloat16)
+  k = jax.random.normal(keys_rng[1], shape_kv, jnp.bfloat16)
+  v = jax.random.normal(keys_rng[2], shape_kv, jnp.bfloat16)
+  context = slots - tokens - 1
+  mask = (jnp.arange(slots)[None, None] <= context + jnp.arange(tokens)[None, :, None])
+  kernel = jax.jit(tree_attention.kernel_attention)(q, k, v, mask)
+  xla = jax.jit(xla_attention)(q, k, v, mask)
+  diff = np.abs(np.asarray(kernel, np.float32) - np.asarray(xla, np.float32))
+  return {"what": f"tree-attention kernel vs XLA's attention ({tokens} tokens, {slots} "
+                  "slots, bf16)", "max_abs_diff": float(diff.max()),
+          "mean_abs_diff": float(diff.mean()),
+          "max_abs_output": float(np.abs(np.asarray(xla, np.float32)).max())}
 
 
 def _verify_ms(scale_rows: Sequence[Mapping], nodes: int) -> tuple[float | None, str]:
