@@ -5,9 +5,10 @@ XLA's GPU program for `llama.attention_probs` / `attention_values` writes the fp
 `[B, K, G, T, S]` to memory and passes over them in several kernels (mask, exp,
 normalise and cast, the values product): for the papers' 60-node verify of Llama-3.1-8B
 on one H100 about 0.11 GB a layer, against 0.44 GB of weights and cache (compile report).
-This kernel (Pallas, Triton) keeps them on chip: per (row, kv head) it loads the G x T
-queries once, walks the cache in blocks of `BLOCK_S` slots with a running max and sum
-(an online softmax), and writes only the output. The cache and the mask are read once.
+This kernel (Pallas, Triton) keeps them on chip: per (batch row, kv head, block of
+`BLOCK_ROWS` of its G x T query rows) it loads the queries once, walks the cache in blocks
+of `BLOCK_S` slots with a running max and sum (an online softmax), and writes only the
+output.
 
 Used where it pays and is exact enough: lowered for CUDA only (`lax.platform_dependent`;
 every other platform, and CPU tests, run the XLA expression), bf16 / f16 inputs (fp32 runs
@@ -34,7 +35,10 @@ except ImportError:
   pl = plgpu = _TRITON_PARAMS = None
 
 BLOCK_S = 128  # cache slots per step of the walk
-MAX_ROWS = 256  # G x T query rows one program holds (the papers' 60 nodes x 4 groups fit)
+MAX_ROWS = 256  # G x T query rows of a (batch row, kv head): the papers' 60 nodes x 4 fit
+BLOCK_ROWS = 32  # query rows per program: more programs than kv heads keep more SMs busy
+# (a batch-1 verify of Llama-3.1-8B: 8 kv heads x 8 row blocks = 64 programs); the row
+# blocks of one head read the same keys and values, which L2 serves after the first.
 
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("fused_tree_attention",
                                                                 default=True)
@@ -65,7 +69,8 @@ def applies(q: jax.Array, keys: jax.Array) -> bool:
 
 
 def _kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale: float, block_s: int):
-  """One (batch row, kv head): q `[R, H]`, k / v `[S, H]`, mask `[R, S]` int8 -> o `[R, H]`."""
+  """One (batch row, kv head, row block): q `[R, H]`, k / v `[S, H]`, mask `[R, S]` int8
+  -> o `[R, H]`."""
   q = q_ref[...]
   rows, head_dim = q.shape
   slots = k_ref.shape[0]
@@ -103,7 +108,8 @@ def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
   b, t, kv, g, h = q.shape
   s = keys.shape[2]
   rows = _rows_padded(g * t)
-  # Row r = g * T + t of a (batch row, kv head) program; padded rows see nothing.
+  block_rows = min(rows, BLOCK_ROWS)
+  # Row r = g * T + t of a (batch row, kv head); padded rows see nothing.
   q_rows = q.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - g * t), (0, 0)))
   mask_rows = jnp.broadcast_to(mask[:, None], (b, g, t, s)).reshape(b, g * t, s)
@@ -111,13 +117,13 @@ def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
   out = pl.pallas_call(
       functools.partial(_kernel, scale=h ** -0.5, block_s=BLOCK_S),
       out_shape=jax.ShapeDtypeStruct((b, kv, rows, h), values.dtype),
-      grid=(b, kv),
-      in_specs=[pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0)),
-                pl.BlockSpec((None, None, s, h), lambda i, j: (i, j, 0, 0)),
-                pl.BlockSpec((None, None, s, h), lambda i, j: (i, j, 0, 0)),
-                pl.BlockSpec((None, rows, s), lambda i, j: (i, 0, 0))],
-      out_specs=pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0)),
-      compiler_params=_TRITON_PARAMS(num_warps=8 if rows > 64 else 4, num_stages=2),
+      grid=(b, kv, rows // block_rows),
+      in_specs=[pl.BlockSpec((None, None, block_rows, h), lambda i, j, r: (i, j, r, 0)),
+                pl.BlockSpec((None, None, s, h), lambda i, j, r: (i, j, 0, 0)),
+                pl.BlockSpec((None, None, s, h), lambda i, j, r: (i, j, 0, 0)),
+                pl.BlockSpec((None, block_rows, s), lambda i, j, r: (i, r, 0))],
+      out_specs=pl.BlockSpec((None, None, block_rows, h), lambda i, j, r: (i, j, r, 0)),
+      compiler_params=_TRITON_PARAMS(num_warps=4, num_stages=2),
       interpret=interpret,
       name="tree_attention",
   )(q_rows, keys, values, mask_rows)
