@@ -212,6 +212,12 @@ ENTRY %main () -> f32[] {
   assert result["kernel_kinds_outside_loop"] == {"all-reduce-start": 1, "o": 1}
   assert result["weight_all_gathers"] == [{"shapes": [[4, 16]], "in_loop": True}]
   assert result["launches_per_iteration"] == 4  # runs of fewer than 5: one launch each
+  # Bytes by kernel kind add up to the program's (loop bodies once): the negate reads
+  # and writes 8 floats, the all-gather 32 bytes in and 128 out.
+  by_kind = result["bytes_by_kernel_kind_per_iteration"]
+  assert by_kind["f"] == 64 and by_kind["all-gather"] == 32 + 128
+  assert (sum(by_kind.values()) + sum(result["bytes_by_kernel_kind_outside_loop"].values())
+          == result["bytes_moved"])
   roof = aot.roofline_s(2e12, 1e9, 10, 100, aot.PEAKS["h100"])
   assert roof["bound"] == "compute"
   assert math.isclose(roof["roofline_s"], 2e12 / 989.4e12 + 10 * 4e-6 + 100 * 1e-6)

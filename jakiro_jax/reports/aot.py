@@ -439,24 +439,38 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
   def launches(ins: Instruction) -> bool:
     return ins.opcode not in _NO_KERNEL and not ins.opcode.endswith("-done")
 
+  def kind_of(ins: Instruction) -> str:
+    """A fusion by its name without the numeric suffix (XLA:GPU names them by what they
+    fuse: input_reduce_fusion, gemm_fusion_dot, ...), a library call by its target,
+    anything else by its opcode."""
+    if ins.opcode == "fusion":
+      return re.sub(r"(\.\d+)+$", "", ins.name)
+    if ins.opcode == "custom-call":
+      target = re.search(r'custom_call_target="([^"]+)"', ins.text)
+      return "custom-call:" + (target.group(1) if target else "?")
+    return ins.opcode
+
   def kernel_kinds(names) -> dict[str, int]:
-    """Kernels by kind, most first: a fusion by its name without the numeric suffix
-    (XLA:GPU names them by what they fuse: input_reduce_fusion, gemm_fusion_dot, ...), a
-    library call by its target, anything else by its opcode."""
+    """Kernels by kind (`kind_of`), most first."""
     counts: dict[str, int] = {}
     for name in names:
       for ins in module.computations[name]:
-        if not launches(ins):
-          continue
-        if ins.opcode == "fusion":
-          kind = re.sub(r"(\.\d+)+$", "", ins.name)
-        elif ins.opcode == "custom-call":
-          target = re.search(r'custom_call_target="([^"]+)"', ins.text)
-          kind = "custom-call:" + (target.group(1) if target else "?")
-        else:
-          kind = ins.opcode
-        counts[kind] = counts.get(kind, 0) + 1
+        if launches(ins):
+          counts[kind_of(ins)] = counts.get(kind_of(ins), 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+  traffic = _Traffic(module)
+
+  def bytes_by_kind(names) -> dict[str, int]:
+    """Device-memory bytes (`hbm_bytes`' count) by kernel kind, most first: where a
+    program's traffic over its floor goes."""
+    moved: dict[str, int] = {}
+    for name in names:
+      for ins in module.computations[name]:
+        if launches(ins):
+          moved[kind_of(ins)] = moved.get(kind_of(ins), 0) + traffic.kernel(name, ins)
+    return dict(sorted(((k, v) for k, v in moved.items() if v),
+                       key=lambda kv: (-kv[1], kv[0])))
 
   def host_launches(names) -> tuple[int, int]:
     """(launches the host issues, kernels inside command buffers) under XLA's default
@@ -497,11 +511,13 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
       "kernels_per_iteration": sum(kinds_in_loop.values()),
       "kernel_kinds_outside_loop": kinds_outside,
       "kernel_kinds_per_iteration": kinds_in_loop,
+      "bytes_by_kernel_kind_outside_loop": bytes_by_kind(outside),
+      "bytes_by_kernel_kind_per_iteration": bytes_by_kind(in_loop),
       "launches_outside_loop": launches_outside,
       "graphed_kernels_outside_loop": graphed_outside,
       "launches_per_iteration": launches_in_loop,
       "graphed_kernels_per_iteration": graphed_in_loop,
-      "bytes_moved": _Traffic(module).total(),
+      "bytes_moved": traffic.total(),
       "weight_all_gathers": weight_gathers,
   }
 
