@@ -54,28 +54,42 @@ def test_kernel_equals_the_xla_expression(tokens, kv, groups, head_dim, slots):
   np.testing.assert_array_equal(np.asarray(again[0, 0]), np.asarray(got[0, 0]))
 
 
+def test_stacked_cache_reads_its_layer():
+  q, keys, values, mask = inputs(2, 12, 2, 3, 64, 256)
+  stack = lambda x: jnp.stack([x[::-1], x, -x])  # noqa: E731  [3, B, K, S, H]
+  got = tree_attention.kernel_attention(q, stack(keys), stack(values), mask, layer=1,
+                                        interpret=True)
+  want = tree_attention.kernel_attention(q, keys, values, mask, interpret=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_where_the_kernel_applies():
-  q, keys, *_ = inputs(1, 12, 2, 3, 64, 256)
-  assert tree_attention.applies(q, keys)
-  assert not tree_attention.applies(q.astype(jnp.float32), keys.astype(jnp.float32))
-  assert not tree_attention.applies(q[:, :1], keys)  # one token: XLA is at the floor
-  assert not tree_attention.applies(q, keys[:, :, :200])  # slots not whole blocks
-  assert not tree_attention.applies(jnp.zeros((1, 100, 2, 3, 64), jnp.bfloat16), keys)
+  q, keys, _, mask = inputs(1, 12, 2, 3, 64, 256)
+  cache = keys[None]  # [L, B, K, S, H]
+  assert tree_attention.applies(q, cache, mask)
+  assert not tree_attention.applies(q.astype(jnp.float32), cache.astype(jnp.float32), mask)
+  assert not tree_attention.applies(q[:, :1], cache, mask[:, :1])  # one token: XLA's floor
+  assert not tree_attention.applies(q, cache[..., :200, :], mask[..., :200])  # part blocks
+  assert not tree_attention.applies(q, cache, mask[..., :128])  # a prefill's narrow mask
+  assert not tree_attention.applies(jnp.zeros((1, 100, 2, 3, 64), jnp.bfloat16), cache,
+                                    jnp.ones((1, 100, 256), bool))  # 300 rows > 256
   with tree_attention.fused_tree_attention(False):
-    assert not tree_attention.applies(q, keys)
-  assert tree_attention.applies(q, keys)
+    assert not tree_attention.applies(q, cache, mask)
+  assert tree_attention.applies(q, cache, mask)
+  assert aot._STACKED_KV_KERNEL == tree_attention.STACKED_KERNEL_NAME
 
 
 def test_on_the_cpu_and_under_grad_the_xla_expression_runs():
-  q, keys, values, mask = inputs(2, 12, 2, 3, 64, 256, dtype=jnp.float32)
-  q, keys, values = (x.astype(jnp.bfloat16) for x in (q, keys, values))
-  got = jax.jit(tree_attention.attention, static_argnums=4)(q, keys, values, mask,
-                                                           xla_attention)
+  q, keys, values, mask = inputs(2, 12, 2, 3, 64, 256)
+  k_cache, v_cache = keys[None], values[None]
+  run = lambda q, k, v, m: tree_attention.attention(q, k, v, 0, m, xla_attention)  # noqa
+  got = jax.jit(run)(q, k_cache, v_cache, mask)
   want = jax.jit(xla_attention)(q, keys, values, mask)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  loss = lambda f: lambda q: f(q, keys, values, mask).astype(jnp.float32).sum()  # noqa
-  grad = jax.grad(loss(lambda *a: tree_attention.attention(*a, xla_attention)))(q)
-  np.testing.assert_array_equal(np.asarray(grad), np.asarray(jax.grad(loss(xla_attention))(q)))
+  loss = lambda f, *kv: lambda q: f(q, *kv, mask).astype(jnp.float32).sum()  # noqa
+  grad = jax.grad(loss(run, k_cache, v_cache))(q)
+  np.testing.assert_array_equal(np.asarray(grad),
+                                np.asarray(jax.grad(loss(xla_attention, keys, values))(q)))
 
 
 CONFIG = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,

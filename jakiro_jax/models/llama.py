@@ -179,8 +179,6 @@ class Attention(nn.Module):
     seen = mask.shape[-1]
     if seen > cache.max_len:
       raise ValueError(f"mask over {seen} slots for a cache of {cache.max_len}")
-    keys = k_all[self.layer, :, :, :seen]  # [B, K, S', H]
-    values = v_all[self.layer, :, :, :seen]
     skipped = getattr(cache, "skipped", None)
     if skipped is not None:
       mask = mask & ~skipped[self.layer][:, None, :seen]
@@ -194,9 +192,13 @@ class Attention(nn.Module):
 
     cache = cache.replace(k=k_all, v=v_all)
     if return_probs:
+      keys = k_all[self.layer, :, :, :seen]  # [B, K, S', H]
+      values = v_all[self.layer, :, :, :seen]
       probs = attention_probs(q, keys, mask, hd).astype(values.dtype)
       return self._output(attention_values(probs, values)), cache, probs
-    return self._output(tree_attention.attention(q, keys, values, mask, xla_attention)), cache
+    # Layer `self.layer`'s first S' slots (a GPU kernel takes the stacked cache whole).
+    out = tree_attention.attention(q, k_all, v_all, self.layer, mask, xla_attention)
+    return self._output(out), cache
 
   def _within_call(self, q, k_new, v_new, positions, mask, return_probs: bool):
     """Attention among this call's T tokens (mask `[B, T, T]`, the sliding window by

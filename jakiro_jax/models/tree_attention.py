@@ -34,6 +34,10 @@ try:  # Pallas's Triton backend; where this JAX lacks it, XLA's attention runs e
 except ImportError:
   pl = plgpu = _TRITON_PARAMS = None
 
+# The Pallas call's name in the HLO; the stacked form reads one layer of its K and V
+# operands, which the compile report's byte count takes from this name (`aot._Traffic`).
+KERNEL_NAME = "tree_attention"
+STACKED_KERNEL_NAME = "tree_attention_stacked"
 BLOCK_S = 128  # cache slots per step of the walk
 MAX_ROWS = 256  # G x T query rows of a (batch row, kv head): the papers' 60 nodes x 4 fit
 BLOCK_ROWS = 32  # query rows per program: more programs than kv heads keep more SMs busy
@@ -58,13 +62,15 @@ def _rows_padded(rows: int) -> int:
   return max(16, 1 << (rows - 1).bit_length())  # Triton tiles: powers of two, >= 16
 
 
-def applies(q: jax.Array, keys: jax.Array) -> bool:
-  """Whether `attention` would use the kernel on a GPU for q `[B, T, K, G, H]` and keys
-  `[B, K, S, H]` (shapes and dtypes only: decided while tracing)."""
+def applies(q: jax.Array, k_cache: jax.Array, mask: jax.Array) -> bool:
+  """Whether `attention` would use the kernel on a GPU for q `[B, T, K, G, H]`, a stacked
+  cache `[L, B, K, S, H]` and mask `[B, T, S']` (shapes and dtypes only: decided while
+  tracing; a mask narrower than the cache, a prefill's, stays with XLA)."""
   _, t, _, g, h = q.shape
-  s = keys.shape[2]
-  return (_enabled.get() and _TRITON_PARAMS is not None and t > 1 and g * t <= MAX_ROWS and s % BLOCK_S == 0
-          and q.dtype in (jnp.bfloat16, jnp.float16) and keys.dtype == q.dtype
+  s = k_cache.shape[-2]
+  return (_enabled.get() and _TRITON_PARAMS is not None and t > 1 and g * t <= MAX_ROWS
+          and mask.shape[-1] == s and s % BLOCK_S == 0
+          and q.dtype in (jnp.bfloat16, jnp.float16) and k_cache.dtype == q.dtype
           and h >= 16 and h & (h - 1) == 0)
 
 
@@ -101,12 +107,13 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale: float, block_s: int)
 
 
 def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
-                     interpret: bool = False) -> jax.Array:
-  """q `[B, T, K, G, H]`, keys / values `[B, K, S, H]`, mask `[B, T, S]` bool ->
-  `[B, T, K, G, H]` (values' dtype), through the kernel (`interpret`: Pallas's
-  interpreter, any platform)."""
+                     layer: int | None = None, interpret: bool = False) -> jax.Array:
+  """q `[B, T, K, G, H]`, keys / values `[B, K, S, H]` (or stacked `[L, B, K, S, H]`,
+  of which `layer`), mask `[B, T, S]` bool -> `[B, T, K, G, H]` (values' dtype), through
+  the kernel (`interpret`: Pallas's interpreter, any platform). A stacked cache goes in
+  whole, its layer picked by the kernel's index map: a slice would be a copy."""
   b, t, kv, g, h = q.shape
-  s = keys.shape[2]
+  s = keys.shape[-2]
   rows = _rows_padded(g * t)
   block_rows = min(rows, BLOCK_ROWS)
   # Row r = g * T + t of a (batch row, kv head); padded rows see nothing.
@@ -114,18 +121,21 @@ def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - g * t), (0, 0)))
   mask_rows = jnp.broadcast_to(mask[:, None], (b, g, t, s)).reshape(b, g * t, s)
   mask_rows = jnp.pad(mask_rows, ((0, 0), (0, rows - g * t), (0, 0))).astype(jnp.int8)
+  if layer is None:
+    cache_spec = pl.BlockSpec((None, None, s, h), lambda i, j, r: (i, j, 0, 0))
+  else:
+    cache_spec = pl.BlockSpec((None, None, None, s, h), lambda i, j, r: (layer, i, j, 0, 0))
   out = pl.pallas_call(
       functools.partial(_kernel, scale=h ** -0.5, block_s=BLOCK_S),
       out_shape=jax.ShapeDtypeStruct((b, kv, rows, h), values.dtype),
       grid=(b, kv, rows // block_rows),
       in_specs=[pl.BlockSpec((None, None, block_rows, h), lambda i, j, r: (i, j, r, 0)),
-                pl.BlockSpec((None, None, s, h), lambda i, j, r: (i, j, 0, 0)),
-                pl.BlockSpec((None, None, s, h), lambda i, j, r: (i, j, 0, 0)),
+                cache_spec, cache_spec,
                 pl.BlockSpec((None, block_rows, s), lambda i, j, r: (i, r, 0))],
       out_specs=pl.BlockSpec((None, None, block_rows, h), lambda i, j, r: (i, j, r, 0)),
       compiler_params=_TRITON_PARAMS(num_warps=4, num_stages=2),
       interpret=interpret,
-      name="tree_attention",
+      name=KERNEL_NAME if layer is None else STACKED_KERNEL_NAME,
   )(q_rows, keys, values, mask_rows)
   return out[:, :, :g * t].reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
 
@@ -136,26 +146,30 @@ def single_device(shardings) -> bool:
              if hasattr(s, "device_set"))
 
 
-def attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
-              xla_attention) -> jax.Array:
-  """`xla_attention(q, keys, values, mask)` on every platform but CUDA, where the kernel
-  takes it when `applies` (same shapes in and out; its gradient is the XLA
-  expression's)."""
-  if not applies(q, keys):
-    return xla_attention(q, keys, values, mask)
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
+              mask: jax.Array, xla_attention) -> jax.Array:
+  """Layer `layer` of the stacked caches `[L, B, K, S, H]` attended by q `[B, T, K, G, H]`
+  under mask `[B, T, S']` (its first S' slots): `xla_attention(q, keys, values, mask)` on
+  every platform but CUDA, where the kernel takes it when `applies` (same result shape;
+  its gradient is the XLA expression's)."""
+  def plain(q, k_cache, v_cache, mask):
+    seen = mask.shape[-1]
+    return xla_attention(q, k_cache[layer, :, :, :seen], v_cache[layer, :, :, :seen], mask)
+
+  if not applies(q, k_cache, mask):
+    return plain(q, k_cache, v_cache, mask)
 
   @jax.custom_vjp
-  def fused(q, keys, values, mask):
-    return kernel_attention(q, keys, values, mask)
+  def fused(q, k_cache, v_cache, mask):
+    return kernel_attention(q, k_cache, v_cache, mask, layer)
 
-  def forward(q, keys, values, mask):
-    return fused(q, keys, values, mask), (q, keys, values, mask)
+  def forward(q, k_cache, v_cache, mask):
+    return fused(q, k_cache, v_cache, mask), (q, k_cache, v_cache, mask)
 
   def backward(saved, grad):
-    q, keys, values, mask = saved
-    _, pullback = jax.vjp(lambda *a: xla_attention(*a, mask), q, keys, values)
+    q, k_cache, v_cache, mask = saved
+    _, pullback = jax.vjp(lambda *a: plain(*a, mask), q, k_cache, v_cache)
     return (*pullback(grad), None)
 
   fused.defvjp(forward, backward)
-  return jax.lax.platform_dependent(q, keys, values, mask, cuda=fused,
-                                    default=xla_attention)
+  return jax.lax.platform_dependent(q, k_cache, v_cache, mask, cuda=fused, default=plain)

@@ -522,6 +522,10 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
   }
 
 
+# A Pallas call reads the blocks its index maps pick, which the HLO does not say. Our
+# tree-attention kernel (`models/tree_attention.py`, named in its backend config) takes
+# the stacked K and V caches `[L, ...]` whole and reads one layer of each.
+_STACKED_KV_KERNEL = "tree_attention_stacked"
 # Ops that read only part of their first operand, and ops that update it in place.
 _PARTIAL_READ = {"gather", "dynamic-slice", "slice"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> operand holding the update
@@ -625,6 +629,8 @@ class _Traffic:
         whole = self.operand(computation, op)
         reads += min(partial.get(i, whole), whole)
       return reads + self.fused_writes(ins.called[0], ins)
+    if ins.opcode == "custom-call" and f'name = "{_STACKED_KV_KERNEL}"' in ins.text:
+      return self._stacked_kv_kernel(computation, ins)
     if ins.opcode in _PARTIAL_READ:
       return 2 * _hbm(ins.arrays)
     if ins.opcode in _IN_PLACE:
@@ -633,6 +639,18 @@ class _Traffic:
     if ins.opcode.endswith("-start") and len(results) > 1:
       results = results[len(results) // 2:]
     return sum(self.operand(computation, op) for op in ins.operands) + _hbm(results)
+
+  def _stacked_kv_kernel(self, computation: str, ins: Instruction) -> int:
+    """The tree-attention kernel on stacked caches: its queries, mask and output whole,
+    one layer of its K and V operands `[L, ...]` (operands 1 and 2)."""
+    by_name = self.names.get(computation, {})
+    total = _hbm(ins.arrays)
+    for i, op in enumerate(ins.operands):
+      size = self.operand(computation, op)
+      if i in (1, 2) and op in by_name and by_name[op].result_shapes:
+        size //= by_name[op].result_shapes[0][1][0]
+      total += size
+    return total
 
   def total(self) -> int:
     return sum(self.kernel(name, ins) for name in self.module.control(self.module.entry)
