@@ -35,6 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Search fitness batch: chat-template user turns packed into full rows.
   c.calib_rows = 4
   c.calib_length = 128
+  # True: each calibration row ends where a prompt ends (the assistant's turn starts), so
+  # the objective's last positions are where replies start; False: prompts packed and cut.
+  c.calib_end_at_prompt = False
 
   # The search's objective: kl_weight x (-KL(dense || pruned) on the calibration rows
   # - last_weight x the KL on each row's last last_tokens positions) + mc_weight x

@@ -3,6 +3,8 @@ user errors, on a tiny random model and hand examples."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,3 +276,27 @@ def test_static_router_skips_answer_tokens_only_with_a_tail():
   # rows of <= 16 + 40 real tokens: every answer token lies in the skipped oldest part of
   # blocks 1 and 2 (e - 1 <= floor(s (e + 40)) for e <= 16, s >= 0.3); block 0 keeps all
   assert fraction == pytest.approx(2 / 3)
+
+
+class ChatTarget:
+  """A stand-in whose chat prompt is `[7] + the characters + [9]` (9: the turn's end)."""
+
+  @staticmethod
+  def chat_prompt(user_turn, system=None):
+    return [7] + [1 + ord(c) % 96 for c in user_turn] + [9]
+
+
+def test_calibration_rows_that_end_where_a_prompt_ends(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  turns = [f"prompt {i} " + "w" * (3 * i) for i in range(12)]
+  path.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in turns))
+  packed = ev.calibration_rows(ChatTarget, str(path), 3, 20, seed=1)
+  ended = ev.calibration_rows(ChatTarget, str(path), 3, 20, seed=1, end_at_prompt=True)
+  assert packed.shape == ended.shape == (3, 20)
+  assert (ended[:, -1] == 9).all()  # every row ends at a turn's end
+  order = np.random.RandomState(1).permutation(len(turns))
+  # The first row ends with the first prompt of the shuffle, whole if it fits.
+  first = ChatTarget.chat_prompt(turns[order[0]])
+  np.testing.assert_array_equal(ended[0, -len(first):], first[-20:])
+  with pytest.raises(ValueError, match="too few prompts"):
+    ev.calibration_rows(ChatTarget, str(path), 40, 20, end_at_prompt=True)

@@ -74,13 +74,28 @@ def first_turn(row: Mapping[str, Any]) -> str:
   return turns[0]
 
 
-def calibration_rows(target, path: str, num_rows: int, length: int, seed: int = 0
-                     ) -> np.ndarray:
+def calibration_rows(target, path: str, num_rows: int, length: int, seed: int = 0,
+                     end_at_prompt: bool = False) -> np.ndarray:
   """`[num_rows, length]` int32: user turns of `path` (a seeded shuffle of its prompts)
   under the chat template, concatenated and cut into full rows (no padding: every position
-  counts, shapes stay static)."""
+  counts, shapes stay static). `end_at_prompt`: each row ends where a prompt ends (the
+  assistant's turn starts, where replies begin and answers are scored), the prompts
+  before it filling the row from the left."""
   prompts = read_jsonl(path)
   order = np.random.RandomState(seed).permutation(len(prompts))
+  if end_at_prompt:
+    encoded = (target.chat_prompt(first_turn(prompts[i])) for i in order)
+    rows = []
+    for _ in range(num_rows):
+      row: list[int] = []
+      for ids in encoded:  # the row's last prompt first, then the ones before it
+        row = list(ids) + row
+        if len(row) >= length:
+          break
+      if len(row) < length:
+        raise ValueError(f"{path} holds too few prompts for {num_rows} x {length} tokens")
+      rows.append(row[-length:])
+    return np.asarray(rows, np.int32)
   stream: list[int] = []
   for i in order:
     stream.extend(target.chat_prompt(first_turn(prompts[i])))

@@ -64,7 +64,8 @@ def target_of(config):
 
 def _calibration(target, config, paths, rows, length, seed):
   from jakiro_jax.prune import evaluate as ev
-  return ev.calibration_rows(target, paths["prompts"], rows, length, seed)
+  return ev.calibration_rows(target, paths["prompts"], rows, length, seed,
+                             end_at_prompt=bool(config.get("calib_end_at_prompt", False)))
 
 
 def _ga_settings(config, block, **over):
