@@ -199,6 +199,12 @@ def bytes_per_device(abstract_tree, shardings) -> dict[int, int]:
 _JITS: dict = {}
 
 
+def single_device(shardings) -> bool:
+  """Whether every sharding in the pytree `shardings` places its array on one device."""
+  return all(len(s.device_set) <= 1 for s in jax.tree.leaves(shardings)
+             if hasattr(s, "device_set"))
+
+
 def jit_with_shardings(fn, static: dict, in_shardings, out_shardings,
                        donate_argnums: tuple[int, ...] = ()):
   """`jax.jit` of `fn` with its static keyword arguments bound and its positional ones
@@ -215,7 +221,7 @@ def jit_with_shardings(fn, static: dict, in_shardings, out_shardings,
          donate_argnums)
   if key not in _JITS:
     bound = functools.partial(fn, **static)
-    if not tree_attention.single_device(in_shardings):
+    if not single_device(in_shardings):
       # GSPMD does not partition a Pallas call: the GPU attention kernel is traced out.
       def bound(*args, _fn=bound):
         with tree_attention.fused_tree_attention(False):

@@ -140,12 +140,6 @@ def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
   return out[:, :, :g * t].reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
 
 
-def single_device(shardings) -> bool:
-  """Whether every sharding in the pytree `shardings` places its array on one device."""
-  return all(len(s.device_set) <= 1 for s in jax.tree.leaves(shardings)
-             if hasattr(s, "device_set"))
-
-
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
               mask: jax.Array, xla_attention) -> jax.Array:
   """Layer `layer` of the stacked caches `[L, B, K, S, H]` attended by q `[B, T, K, G, H]`

@@ -450,27 +450,22 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
       return "custom-call:" + (target.group(1) if target else "?")
     return ins.opcode
 
-  def kernel_kinds(names) -> dict[str, int]:
-    """Kernels by kind (`kind_of`), most first."""
-    counts: dict[str, int] = {}
-    for name in names:
-      for ins in module.computations[name]:
-        if launches(ins):
-          counts[kind_of(ins)] = counts.get(kind_of(ins), 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
   traffic = _Traffic(module)
 
-  def bytes_by_kind(names) -> dict[str, int]:
-    """Device-memory bytes (`hbm_bytes`' count) by kernel kind, most first: where a
-    program's traffic over its floor goes."""
+  def kernel_kinds(names) -> tuple[dict[str, int], dict[str, int]]:
+    """(kernels by kind (`kind_of`), device-memory bytes by kind (`hbm_bytes`' count:
+    where a program's traffic over its floor goes)), each most first."""
+    counts: dict[str, int] = {}
     moved: dict[str, int] = {}
     for name in names:
       for ins in module.computations[name]:
         if launches(ins):
-          moved[kind_of(ins)] = moved.get(kind_of(ins), 0) + traffic.kernel(name, ins)
-    return dict(sorted(((k, v) for k, v in moved.items() if v),
-                       key=lambda kv: (-kv[1], kv[0])))
+          kind = kind_of(ins)
+          counts[kind] = counts.get(kind, 0) + 1
+          moved[kind] = moved.get(kind, 0) + traffic.kernel(name, ins)
+    most_first = lambda d: dict(sorted(((k, v) for k, v in d.items() if v),  # noqa: E731
+                                       key=lambda kv: (-kv[1], kv[0])))
+    return most_first(counts), most_first(moved)
 
   def host_launches(names) -> tuple[int, int]:
     """(launches the host issues, kernels inside command buffers) under XLA's default
@@ -493,7 +488,8 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
         run = 0
     return total, graphed
 
-  kinds_outside, kinds_in_loop = kernel_kinds(outside), kernel_kinds(in_loop)
+  (kinds_outside, bytes_outside), (kinds_in_loop, bytes_in_loop) = (
+      kernel_kinds(outside), kernel_kinds(in_loop))
   launches_outside, graphed_outside = host_launches(outside)
   launches_in_loop, graphed_in_loop = host_launches(in_loop)
   weight_gathers = [
@@ -511,8 +507,8 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
       "kernels_per_iteration": sum(kinds_in_loop.values()),
       "kernel_kinds_outside_loop": kinds_outside,
       "kernel_kinds_per_iteration": kinds_in_loop,
-      "bytes_by_kernel_kind_outside_loop": bytes_by_kind(outside),
-      "bytes_by_kernel_kind_per_iteration": bytes_by_kind(in_loop),
+      "bytes_by_kernel_kind_outside_loop": bytes_outside,
+      "bytes_by_kernel_kind_per_iteration": bytes_in_loop,
       "launches_outside_loop": launches_outside,
       "graphed_kernels_outside_loop": graphed_outside,
       "launches_per_iteration": launches_in_loop,

@@ -1015,6 +1015,7 @@ def tree_attention_check(cfg, slots: int, tokens: int = 60) -> dict:
   import numpy as np
 
   from jakiro_jax.models import tree_attention
+  from jakiro_jax.models.kv_cache import causal_mask
   from jakiro_jax.models.llama import xla_attention
 
   keys_rng = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -1023,8 +1024,7 @@ def tree_attention_check(cfg, slots: int, tokens: int = 60) -> dict:
   q = jax.random.normal(keys_rng[0], shape_q, jnp.bfloat16)
   k = jax.random.normal(keys_rng[1], shape_kv, jnp.bfloat16)
   v = jax.random.normal(keys_rng[2], shape_kv, jnp.bfloat16)
-  context = slots - tokens - 1
-  mask = (jnp.arange(slots)[None, None] <= context + jnp.arange(tokens)[None, :, None])
+  mask = causal_mask(jnp.array([slots - tokens - 1], jnp.int32), tokens, slots)
   kernel = jax.jit(tree_attention.kernel_attention)(q, k, v, mask)
   xla = jax.jit(xla_attention)(q, k, v, mask)
   diff = np.abs(np.asarray(kernel, np.float32) - np.asarray(xla, np.float32))

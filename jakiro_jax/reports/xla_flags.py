@@ -76,6 +76,8 @@ PRIORITY = (("ar_smollm2", "default"), ("ar_smollm2", "graph_loops"),
             ("ar_smollm2", "min_graph_1"), ("ar_smollm2", "no_triton_gemm"),
             ("ar_7b", "no_graphs"), ("ar_7b", "min_graph_1"), ("ar_7b", "no_triton_gemm"),
             ("gen_data", "no_graphs"))
+
+
 def xla_flags_env(flag_set: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
   """The environment of a worker: `base` (default os.environ) with the set's flags
   appended to its XLA_FLAGS (later flags win in XLA's parser)."""
