@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -96,6 +97,10 @@ def _quick_compilation_for_tiny_models(request):
   jax.config.update("jax_disable_most_optimizations", not optimized)
   yield
   jax.config.update("jax_disable_most_optimizations", False)
+  # A worker runs some 25 modules, whose compiled programs and traces would otherwise stay
+  # until it exits (two workers reached 19 GB of the 24 a CI machine has).
+  jax.clear_caches()
+  gc.collect()
 
 
 def random_prompts(rng: np.random.RandomState, vocab: int, lengths) -> list[list[int]]:
