@@ -97,10 +97,28 @@ def _quick_compilation_for_tiny_models(request):
   jax.config.update("jax_disable_most_optimizations", not optimized)
   yield
   jax.config.update("jax_disable_most_optimizations", False)
-  # A worker runs some 25 modules, whose compiled programs and traces would otherwise stay
-  # until it exits (two workers reached 19 GB of the 24 a CI machine has).
+  # A worker runs some 25 modules. Each program XLA compiles for the CPU holds memory
+  # mappings of its code; kept until the worker exits, they reached 65,465 in one worker,
+  # against Linux's limit of 65,530 per process (vm.max_map_count), past which a compile
+  # crashes the worker (a CI run's did). Released after each module, they stay under 20,000.
   jax.clear_caches()
   gc.collect()
+  maps, limit = _memory_map_count()
+  if maps is not None and maps > limit // 2:
+    pytest.fail(f"{maps} memory mappings after {request.module.__name__} and its caches "
+                f"cleared (the limit is {limit}): compiled programs are being kept",
+                pytrace=False)
+
+
+def _memory_map_count() -> tuple[int | None, int]:
+  """(this process's memory mappings, the kernel's limit); (None, 0) off Linux."""
+  try:
+    with open("/proc/self/maps") as f:
+      maps = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      return maps, int(f.read())
+  except (OSError, ValueError):
+    return None, 0
 
 
 def random_prompts(rng: np.random.RandomState, vocab: int, lengths) -> list[list[int]]:
