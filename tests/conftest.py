@@ -91,16 +91,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _quick_compilation_for_tiny_models(request):
+def _compiled_programs_released_after_each_module(request):
+  """A worker runs some 25 modules. Each program XLA compiles for the CPU holds memory
+  mappings of its code; kept until the worker exits, they reached 65,465 in one worker,
+  against Linux's limit of 65,530 per process (vm.max_map_count), past which a compile
+  crashes the worker (a CI run's did). Released after each module, they stay under 20,000."""
   import jax
-  optimized = request.module.__name__.rsplit(".", 1)[-1] in OPTIMIZED_MODULES
-  jax.config.update("jax_disable_most_optimizations", not optimized)
   yield
-  jax.config.update("jax_disable_most_optimizations", False)
-  # A worker runs some 25 modules. Each program XLA compiles for the CPU holds memory
-  # mappings of its code; kept until the worker exits, they reached 65,465 in one worker,
-  # against Linux's limit of 65,530 per process (vm.max_map_count), past which a compile
-  # crashes the worker (a CI run's did). Released after each module, they stay under 20,000.
   jax.clear_caches()
   gc.collect()
   maps, limit = _memory_map_count()
@@ -108,6 +105,15 @@ def _quick_compilation_for_tiny_models(request):
     pytest.fail(f"{maps} memory mappings after {request.module.__name__} and its caches "
                 f"cleared (the limit is {limit}): compiled programs are being kept",
                 pytrace=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quick_compilation_for_tiny_models(request):
+  import jax
+  optimized = request.module.__name__.rsplit(".", 1)[-1] in OPTIMIZED_MODULES
+  jax.config.update("jax_disable_most_optimizations", not optimized)
+  yield
+  jax.config.update("jax_disable_most_optimizations", False)
 
 
 def _memory_map_count() -> tuple[int | None, int]:
