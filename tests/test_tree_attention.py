@@ -54,6 +54,35 @@ def test_kernel_equals_the_xla_expression(tokens, kv, groups, head_dim, slots):
   np.testing.assert_array_equal(np.asarray(again[0, 0]), np.asarray(got[0, 0]))
 
 
+@pytest.mark.parametrize("batch,kv,groups,slots,splits", [
+    (1, 8, 4, 2048, 16),  # Llama-3.1-8B's decode step: 8 programs, slots in 16 parts
+    (2, 2, 3, 512, 4),    # SmolLM2's groups: 3 rows padded to 16, the slice kept
+    (1, 1, 1, 256, 2)])   # parts of one block each
+def test_decode_token_splits_the_slots_among_programs(batch, kv, groups, slots, splits):
+  """One token per row (the AR step): too few (row, head) programs, so the slots are split
+  and a second kernel combines the parts; the same numbers as XLA's expression, and a part
+  whose slots are all hidden (the cache past the row's length) weighs nothing."""
+  q, keys, values, _ = inputs(batch, 1, kv, groups, 64, slots, seed=1)
+  mask = jnp.arange(slots)[None, None] < jnp.array([100, 37])[:batch, None, None]
+  rows = max(16, 1 << (groups - 1).bit_length())
+  assert tree_attention.slot_splits(batch * kv * (rows // min(rows, 32)), slots) == splits
+  got = tree_attention.kernel_attention(q, keys, values, mask, interpret=True)
+  want = xla_attention(q, keys, values, mask)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=2e-2)
+  stack = lambda x: jnp.stack([-x, x])  # noqa: E731  [2, B, K, S, H]
+  np.testing.assert_array_equal(np.asarray(tree_attention.kernel_attention(
+      q, stack(keys), stack(values), mask, layer=1, interpret=True)), np.asarray(got))
+
+
+def test_slot_splits():
+  assert tree_attention.slot_splits(64, 2048) == 1  # enough programs: one part
+  assert tree_attention.slot_splits(8, 2048) == 16  # 128 programs
+  assert tree_attention.slot_splits(8, 256) == 2  # no part smaller than a block
+  assert tree_attention.slot_splits(3, 1536) == 4  # 12 blocks: parts of whole blocks
+
+
 def test_stacked_cache_reads_its_layer():
   q, keys, values, mask = inputs(2, 12, 2, 3, 64, 256)
   stack = lambda x: jnp.stack([x[::-1], x, -x])  # noqa: E731  [3, B, K, S, H]
@@ -68,7 +97,7 @@ def test_where_the_kernel_applies():
   cache = keys[None]  # [L, B, K, S, H]
   assert tree_attention.applies(q, cache, mask)
   assert not tree_attention.applies(q.astype(jnp.float32), cache.astype(jnp.float32), mask)
-  assert not tree_attention.applies(q[:, :1], cache, mask[:, :1])  # one token: XLA's floor
+  assert tree_attention.applies(q[:, :1], cache, mask[:, :1])  # a decode step's token
   assert not tree_attention.applies(q, cache[..., :200, :], mask[..., :200])  # part blocks
   assert not tree_attention.applies(q, cache, mask[..., :128])  # a prefill's narrow mask
   assert not tree_attention.applies(jnp.zeros((1, 100, 2, 3, 64), jnp.bfloat16), cache,
@@ -108,7 +137,10 @@ def _verify_hlo(devices: int, kernel: bool = True) -> str:
 def test_one_h100_verify_uses_the_kernel_and_two_do_not():
   kernel = 'custom_call_target="__gpu$xla.gpu.triton"'
   one = _verify_hlo(1)
-  assert one.count(kernel) == 2  # one per layer
+  # 2 kv heads x 2 blocks of 32 of the 64 rows: 4 programs, so the slots are split and a
+  # second kernel combines the parts, in each layer
+  assert tree_attention.slot_splits(4, 512) == 4
+  assert one.count(kernel) == 2 * CONFIG.num_layers
   assert programs.forward_program(  # Program.lower decides as generate does
       CONFIG, sharding.make_mesh((1, 1, 2), devices=aot.platform("h100", 2).devices),
       1, 16, 512).lower().compile().as_text().count(kernel) == 0

@@ -1,5 +1,5 @@
-"""A few new tokens (a verified tree, a draft frontier) attending over the whole cache in
-one GPU kernel.
+"""A few new tokens (a verified tree, a draft frontier, one decode step's token)
+attending over the whole cache in one GPU kernel.
 
 XLA's GPU program for `llama.attention_probs` / `attention_values` writes the fp32 scores
 `[B, K, G, T, S]` to memory and passes over them in several kernels (mask, exp,
@@ -8,11 +8,14 @@ on one H100 about 0.11 GB a layer, against 0.44 GB of weights and cache (compile
 This kernel (Pallas, Triton) keeps them on chip: per (batch row, kv head, block of
 `BLOCK_ROWS` of its G x T query rows) it loads the queries once, walks the cache in blocks
 of `BLOCK_S` slots with a running max and sum (an online softmax), and writes only the
-output.
+output. Where that makes too few programs to keep the card busy (one decode token of a
+batch-1 row: 8 kv heads of Llama-3.1-8B), the slots are also split among programs
+(flash-decoding), each writing its unnormalised sum, max and total, which one XLA fusion
+combines: two kernels a layer where XLA's expression takes five.
 
 Used where it pays and is exact enough: lowered for CUDA only (`lax.platform_dependent`;
 every other platform, and CPU tests, run the XLA expression), bf16 / f16 inputs (fp32 runs
-keep XLA's dots at full precision), T > 1, G x T <= `MAX_ROWS`, S a multiple of
+keep XLA's dots at full precision), G x T <= `MAX_ROWS`, S a multiple of
 `BLOCK_S`. A Pallas call is not partitioned by GSPMD, so callers that shard heads over
 devices turn it off (`fused_tree_attention(False)`); it is a single-device kernel.
 """
@@ -38,11 +41,14 @@ except ImportError:
 # operands, which the compile report's byte count takes from this name (`aot._Traffic`).
 KERNEL_NAME = "tree_attention"
 STACKED_KERNEL_NAME = "tree_attention_stacked"
+COMBINE_KERNEL_NAME = "tree_attention_combine"
 BLOCK_S = 128  # cache slots per step of the walk
 MAX_ROWS = 256  # G x T query rows of a (batch row, kv head): the papers' 60 nodes x 4 fit
 BLOCK_ROWS = 32  # query rows per program: more programs than kv heads keep more SMs busy
 # (a batch-1 verify of Llama-3.1-8B: 8 kv heads x 8 row blocks = 64 programs); the row
 # blocks of one head read the same keys and values, which L2 serves after the first.
+MIN_PROGRAMS = 64  # fewer (batch row, kv head, row block) programs: the slots are split
+SPLIT_PROGRAMS = 128  # ... among enough programs to reach about this many (132 SMs)
 
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("fused_tree_attention",
                                                                 default=True)
@@ -68,15 +74,29 @@ def applies(q: jax.Array, k_cache: jax.Array, mask: jax.Array) -> bool:
   tracing; a mask narrower than the cache, a prefill's, stays with XLA)."""
   _, t, _, g, h = q.shape
   s = k_cache.shape[-2]
-  return (_enabled.get() and _TRITON_PARAMS is not None and t > 1 and g * t <= MAX_ROWS
+  return (_enabled.get() and _TRITON_PARAMS is not None and g * t <= MAX_ROWS
           and mask.shape[-1] == s and s % BLOCK_S == 0
           and q.dtype in (jnp.bfloat16, jnp.float16) and k_cache.dtype == q.dtype
           and h >= 16 and h & (h - 1) == 0)
 
 
-def _kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale: float, block_s: int):
-  """One (batch row, kv head, row block): q `[R, H]`, k / v `[S, H]`, mask `[R, S]` int8
-  -> o `[R, H]`."""
+def slot_splits(programs: int, slots: int) -> int:
+  """How many parts the slots are split into for `programs` (batch row, kv head, row
+  block) programs over `slots` slots: 1 from `MIN_PROGRAMS` up, else a power of two
+  reaching about `SPLIT_PROGRAMS`, each part whole `BLOCK_S` blocks."""
+  if programs >= MIN_PROGRAMS:
+    return 1
+  splits = 1
+  while (programs * splits * 2 <= SPLIT_PROGRAMS
+         and (slots // BLOCK_S) % (splits * 2) == 0):
+    splits *= 2
+  return splits
+
+
+def _kernel(q_ref, k_ref, v_ref, mask_ref, *out_refs, scale: float, block_s: int):
+  """One (batch row, kv head, row block[, part of the slots]): q `[R, H]`, k / v
+  `[S, H]`, mask `[R, S]` int8 -> o `[R, H]`; with the slots split, the unnormalised
+  o `[R, H]` fp32, its max and total `[R]` instead."""
   q = q_ref[...]
   rows, head_dim = q.shape
   slots = k_ref.shape[0]
@@ -102,8 +122,24 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale: float, block_s: int)
 
   init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), hidden, jnp.float32),
           jnp.zeros((rows,), jnp.float32))
-  acc, _, total = jax.lax.fori_loop(0, slots // block_s, step, init)
-  o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+  acc, top, total = jax.lax.fori_loop(0, slots // block_s, step, init)
+  if len(out_refs) == 1:
+    out_refs[0][...] = (acc / total[:, None]).astype(out_refs[0].dtype)
+  else:
+    acc_ref, top_ref, total_ref = out_refs
+    acc_ref[...], top_ref[...], total_ref[...] = acc, top, total
+
+
+def _combine_kernel(acc_ref, top_ref, total_ref, o_ref):
+  """One (batch row, kv head): the parts' unnormalised outputs `[P, R, H]`, maxima and
+  totals `[P, R]` -> o `[R', H]`, the first R' rows (a part that saw no slot has the
+  walk's finite `hidden` max: weight exp(-huge) = 0)."""
+  kept = pl.ds(0, o_ref.shape[0])
+  top = top_ref[:, kept]
+  weight = jnp.exp(top - top.max(axis=0)[None])  # [P, R']
+  total = (total_ref[:, kept] * weight).sum(axis=0)  # [R']
+  out = (acc_ref[:, kept, :] * weight[:, :, None]).sum(axis=0) / total[:, None]
+  o_ref[...] = out.astype(o_ref.dtype)
 
 
 def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
@@ -116,27 +152,58 @@ def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
   s = keys.shape[-2]
   rows = _rows_padded(g * t)
   block_rows = min(rows, BLOCK_ROWS)
+  splits = slot_splits(b * kv * (rows // block_rows), s)
+  part = s // splits
   # Row r = g * T + t of a (batch row, kv head); padded rows see nothing.
   q_rows = q.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - g * t), (0, 0)))
   mask_rows = jnp.broadcast_to(mask[:, None], (b, g, t, s)).reshape(b, g * t, s)
   mask_rows = jnp.pad(mask_rows, ((0, 0), (0, rows - g * t), (0, 0))).astype(jnp.int8)
   if layer is None:
-    cache_spec = pl.BlockSpec((None, None, s, h), lambda i, j, r: (i, j, 0, 0))
+    cache_spec = pl.BlockSpec((None, None, part, h), lambda i, j, r, p: (i, j, p, 0))
   else:
-    cache_spec = pl.BlockSpec((None, None, None, s, h), lambda i, j, r: (layer, i, j, 0, 0))
+    cache_spec = pl.BlockSpec((None, None, None, part, h),
+                              lambda i, j, r, p: (layer, i, j, p, 0))
+  in_specs = [pl.BlockSpec((None, None, block_rows, h), lambda i, j, r, p: (i, j, r, 0)),
+              cache_spec, cache_spec,
+              pl.BlockSpec((None, block_rows, part), lambda i, j, r, p: (i, r, p))]
+  if splits == 1:
+    out_shape = jax.ShapeDtypeStruct((b, kv, rows, h), values.dtype)
+    out_specs = pl.BlockSpec((None, None, block_rows, h), lambda i, j, r, p: (i, j, r, 0))
+  else:  # per part: the unnormalised output, its max and total
+    out_shape = (jax.ShapeDtypeStruct((b, kv, splits, rows, h), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv, splits, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv, splits, rows), jnp.float32))
+    out_specs = (
+        pl.BlockSpec((None, None, None, block_rows, h), lambda i, j, r, p: (i, j, p, r, 0)),
+        pl.BlockSpec((None, None, None, block_rows), lambda i, j, r, p: (i, j, p, r)),
+        pl.BlockSpec((None, None, None, block_rows), lambda i, j, r, p: (i, j, p, r)))
   out = pl.pallas_call(
       functools.partial(_kernel, scale=h ** -0.5, block_s=BLOCK_S),
-      out_shape=jax.ShapeDtypeStruct((b, kv, rows, h), values.dtype),
-      grid=(b, kv, rows // block_rows),
-      in_specs=[pl.BlockSpec((None, None, block_rows, h), lambda i, j, r: (i, j, r, 0)),
-                cache_spec, cache_spec,
-                pl.BlockSpec((None, block_rows, s), lambda i, j, r: (i, r, 0))],
-      out_specs=pl.BlockSpec((None, None, block_rows, h), lambda i, j, r: (i, j, r, 0)),
+      out_shape=out_shape,
+      grid=(b, kv, rows // block_rows, splits),
+      in_specs=in_specs,
+      out_specs=out_specs,
       compiler_params=_TRITON_PARAMS(num_warps=4, num_stages=2),
       interpret=interpret,
       name=KERNEL_NAME if layer is None else STACKED_KERNEL_NAME,
   )(q_rows, keys, values, mask_rows)
+  if splits > 1:
+    # The parts combined in a second kernel: XLA's fusions of it took three. Its output
+    # rows are exactly G x T where Triton can tile them (a power of two), a slice saved.
+    kept = g * t if g * t & (g * t - 1) == 0 else rows
+    out = pl.pallas_call(
+        _combine_kernel,
+        out_shape=jax.ShapeDtypeStruct((b, kv, kept, h), values.dtype),
+        grid=(b, kv),
+        in_specs=[pl.BlockSpec((None, None, splits, rows, h), lambda i, j: (i, j, 0, 0, 0)),
+                  pl.BlockSpec((None, None, splits, rows), lambda i, j: (i, j, 0, 0)),
+                  pl.BlockSpec((None, None, splits, rows), lambda i, j: (i, j, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, kept, h), lambda i, j: (i, j, 0, 0)),
+        compiler_params=_TRITON_PARAMS(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=COMBINE_KERNEL_NAME,
+    )(*out)
   return out[:, :, :g * t].reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
 
 
