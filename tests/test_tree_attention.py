@@ -159,3 +159,7 @@ def test_device_report_check_of_the_kernel(monkeypatch):
                       lambda *a: kernel(*a, interpret=True))
   row = device_report.tree_attention_check(CONFIG, 256, tokens=12)
   assert 0 < row["max_abs_output"] and row["max_abs_diff"] < 0.05, row
+  # the AR step's shape: 2 programs, the slots split in 2 and combined
+  assert tree_attention.slot_splits(CONFIG.num_kv_heads, 256) == 2
+  row = device_report.tree_attention_check(CONFIG, 256, tokens=1)
+  assert 0 < row["max_abs_output"] and row["max_abs_diff"] < 0.05, row

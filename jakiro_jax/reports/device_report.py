@@ -1001,8 +1001,19 @@ def scale(settings: Mapping, *, previous: Mapping | None = None, checkpoint=None
               "kernel": False}
     section.unit("verify/60/xla_attention", xla_verify_row)
     section.unit("tree_attention/check", lambda: tree_attention_check(cfg, slots))
+
+    # The AR step's attention is the kernel too, its slots split among programs.
+    def xla_ar_row():
+      with fused_tree_attention(False):
+        ms, call_ms = forward_ms(1, decode_step_fn(cfg))
+      return {"what": "AR step (1 token), XLA's attention", "ms": ms, "call_ms": call_ms,
+              "x_kernel_ar_step": ms / ar_ms if ar_ms else None, "kernel": False}
+    section.unit("ar_step/xla_attention", xla_ar_row)
+    section.unit("tree_attention/check/1",
+                 lambda: tree_attention_check(cfg, slots, tokens=1))
   else:
-    section.skip("verify/60/xla_attention", "the tree-attention kernel runs on GPUs only")
+    for key in ("verify/60/xla_attention", "ar_step/xla_attention"):
+      section.skip(key, "the tree-attention kernel runs on GPUs only")
   state.clear()  # frees the 7B weights before the next section
   return section.finish()
 
