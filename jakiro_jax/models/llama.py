@@ -188,7 +188,8 @@ class Attention(nn.Module):
   writes no K/V, its slot is left as it was) and `cache=None` (attention among this
   call's tokens only under a `[B, T, T]` mask; returns their K/V `[B, T, K, H]` each
   instead of a cache: the gathered prefill). `return_probs` adds the attention weights
-  `[B, K, G, T, S]` to the returns."""
+  `[B, K, G, T, S]` to the returns. `inv_rms [B, T, 1]`: a deferred input norm's factor
+  (`RMSNorm(deferred=True)`), applied to the q / k / v projections."""
   config: LlamaConfig
   layer: int
 
