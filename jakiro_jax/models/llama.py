@@ -72,12 +72,14 @@ def matmul_out_in(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
 class RMSNorm(nn.Module):
   """`scale * x / rms(x)`. With `deferred=True` it returns `(scale * x, 1 / rms(x))`
   (`[..., D]`, fp32 `[..., 1]`) for a projection that applies the second factor to its
-  output (`Attention`'s `inv_rms`): the same maths, one GPU kernel where the plain form
-  takes two (compile report, one-H100 decode step: 32 kernels fewer of about 500).
+  output (`Attention`'s and `MLP`'s `inv_rms`): the same maths, one GPU kernel where the
+  plain form takes two (compile report, one-H100 decode step: 32 kernels fewer a norm, of
+  about 500).
 
-  Only the input norm defers: with tensor parallelism the post-attention norm's kernels
-  sit between two all-reduces, and one fewer there leaves four, a run too short for
-  XLA's command buffers (`aot.GRAPH_MIN_KERNELS`): four host launches instead of one."""
+  The input norm always defers; the post-attention norm only in a program on one device.
+  With tensor parallelism its kernels sit between two all-reduces, and one fewer there
+  leaves four, a run too short for XLA's command buffers (`aot.GRAPH_MIN_KERNELS`): four
+  host launches instead of one."""
   eps: float
   dtype: str = "float32"
   deferred: bool = False
@@ -270,17 +272,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-  """SwiGLU: down(silu(gate x) * up x)."""
+  """SwiGLU: down(silu(gate x) * up x); `inv_rms [B, T, 1]`: a deferred norm's factor on
+  the gate / up projections."""
   hidden_size: int
   intermediate_size: int
   dtype: str = "float32"
   bias: bool = False
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, inv_rms=None):
     gate_up_w = weight_param(self, "gate_up", (2, self.intermediate_size, self.hidden_size),
                         (None, "mlp", "embed"), self.dtype)
-    gate_up = matmul_out_in(x, gate_up_w, in_dims=1)  # [B, T, 2, F]
+    gate_up = scale_rows(matmul_out_in(x, gate_up_w, in_dims=1), inv_rms, 2)  # [B, T, 2, F]
     if self.bias:
       gate_up = gate_up + weight_param(self, "gate_up_bias", (2, self.intermediate_size),
                                   (None, "mlp"), self.dtype, nn.initializers.zeros)
@@ -326,9 +329,12 @@ class DecoderLayer(nn.Module):
       probs = probs[0] if return_probs else None
       x = x + attn_scale(h)
     if self.mlp_on:
-      h = RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="post_attention_norm")(x)
+      # Deferred on one device only (`RMSNorm`'s docstring says why).
+      norm = RMSNorm(cfg.rms_norm_eps, cfg.dtype, tree_attention.one_device_program(),
+                     name="post_attention_norm")
+      h, inv_rms = norm(x) if norm.deferred else (norm(x), None)
       x = x + mlp_scale(MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype,
-                            cfg.mlp_bias, name="mlp")(h))
+                            cfg.mlp_bias, name="mlp")(h, inv_rms))
     return (x, cache, probs) if return_probs else (x, cache)
 
 

@@ -65,6 +65,12 @@ def fused_tree_attention(enabled: bool):
     _enabled.reset(token)
 
 
+def one_device_program() -> bool:
+  """Whether the program being traced runs on one device, as far as this module knows:
+  false within `fused_tree_attention(False)`, which programs sharded over devices set."""
+  return _enabled.get()
+
+
 def _rows_padded(rows: int) -> int:
   return max(16, 1 << (rows - 1).bit_length())  # Triton tiles: powers of two, >= 16
 
