@@ -95,12 +95,12 @@ class RMSNorm(nn.Module):
     return scale * (x32 * inv_rms).astype(x.dtype)
 
 
-def scale_rows(y: jax.Array, inv_rms: jax.Array | None, row_dims: int) -> jax.Array:
-  """y `[B, T, ...]` times a deferred norm's `inv_rms [B, T, 1]` (in fp32), the first
-  `row_dims` axes being the rows; None leaves y as it is."""
+def scale_rows(y: jax.Array, inv_rms: jax.Array | None) -> jax.Array:
+  """y `[B, T, ...]` times a deferred norm's `inv_rms [B, T, 1]` (in fp32); None leaves y
+  as it is."""
   if inv_rms is None:
     return y
-  factor = inv_rms.reshape(inv_rms.shape[:row_dims] + (1,) * (y.ndim - row_dims))
+  factor = inv_rms.reshape(inv_rms.shape[:2] + (1,) * (y.ndim - 2))
   return (y.astype(jnp.float32) * factor).astype(y.dtype)
 
 
@@ -167,14 +167,14 @@ def write_kv(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array,
   too: the cache's last T slots are rewritten as they were in that case."""
   k_new, v_new = k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype)
   if contiguous and k_new.shape[0] == 1:
-    num_new, start = k_new.shape[1], cache.lengths[0]
-    fits = start + num_new <= cache.max_len
+    start = cache.lengths[0]
+    fits = start + k_new.shape[1] <= cache.max_len
+    at = (layer, 0, 0, start, 0)  # both slice ops clamp it alike where it does not fit
 
     def update(stacked, new):
-      at = (layer, 0, 0, jnp.minimum(start, cache.max_len - num_new), 0)
-      new = jnp.where(fits, new.swapaxes(1, 2)[None],
-                      jax.lax.dynamic_slice(stacked, at, (1,) + new.swapaxes(1, 2).shape))
-      return jax.lax.dynamic_update_slice(stacked, new, at)
+      new = new.swapaxes(1, 2)[None]  # [1, 1, K, T, H]
+      return jax.lax.dynamic_update_slice(
+          stacked, jnp.where(fits, new, jax.lax.dynamic_slice(stacked, at, new.shape)), at)
 
     return update(cache.k, k_new), update(cache.v, v_new)
   rows = jnp.arange(k_new.shape[0])[:, None]
@@ -202,7 +202,7 @@ class Attention(nn.Module):
     kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
     qkv_w = weight_param(self, "qkv", (kv, g + 2, hd, d),
                     ("kv_heads", None, "head_dim", "embed"), cfg.dtype)
-    qkv = scale_rows(matmul_out_in(x, qkv_w, in_dims=1), inv_rms, 2)  # [B, T, K, C, H]
+    qkv = scale_rows(matmul_out_in(x, qkv_w, in_dims=1), inv_rms)  # [B, T, K, C, H]
     if cfg.attention_bias:
       qkv = qkv + weight_param(self, "qkv_bias", (kv, g + 2, hd),
                           ("kv_heads", None, "head_dim"), cfg.dtype,
@@ -283,7 +283,7 @@ class MLP(nn.Module):
   def __call__(self, x, inv_rms=None):
     gate_up_w = weight_param(self, "gate_up", (2, self.intermediate_size, self.hidden_size),
                         (None, "mlp", "embed"), self.dtype)
-    gate_up = scale_rows(matmul_out_in(x, gate_up_w, in_dims=1), inv_rms, 2)  # [B, T, 2, F]
+    gate_up = scale_rows(matmul_out_in(x, gate_up_w, in_dims=1), inv_rms)  # [B, T, 2, F]
     if self.bias:
       gate_up = gate_up + weight_param(self, "gate_up_bias", (2, self.intermediate_size),
                                   (None, "mlp"), self.dtype, nn.initializers.zeros)
