@@ -41,11 +41,12 @@ def get_config() -> ml_collections.ConfigDict:
 
   # The search's objective: kl_weight x (-KL(dense || pruned) on the calibration rows
   # - last_weight x the KL on each row's last last_tokens positions) + mc_weight x
-  # probability of the right choice on cloze items of data.prompts (disjoint from every
-  # evaluation set; `pipeline.calibration_items`).
+  # probability of the right choice on mc_items calibration items (disjoint from every
+  # evaluation set; `pipeline.calibration_items`): mc_file "" = cloze items of
+  # data.prompts, "arc_easy_test" = the shipped ARC-Easy test items, or a path.
   c.objective = ml_collections.ConfigDict(dict(
       kl_weight=1.0, last_weight=0.0, last_tokens=16, mc_weight=0.0, mc_items=64,
-      mc_length=64, mc_context_words=30, mc_choice_words=6))
+      mc_length=64, mc_context_words=30, mc_choice_words=6, mc_file=""))
 
   # GA with the static router. The spec's defaults are population 32, 30 generations;
   # scaled down for a 2-core CPU (one fitness call ~1.5 s).

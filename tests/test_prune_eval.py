@@ -258,6 +258,23 @@ def test_mc_scores_are_the_continuation_logprob_and_the_tail_leaves_dense_unchan
                          atol=1e-3)
 
 
+def test_mc_scores_cut_to_length_buckets_equal_the_padded_rows(setup):
+  config, params = setup
+  # rows of 3..40 tokens in 48 slots: bucket 8 scores them in 5 widths (8..40)
+  items = [{"query": "Q " + "abcdefgh"[i % 8] * (2 + 7 * i), "choices": ["xy", "zzw", "q"],
+            "gold": i % 3} for i in range(5)]
+  rows = ev.mc_rows(CharTarget, items, 48)
+  assert len(np.unique(-(-rows.lengths // 8))) >= 4
+  for method in (ev.Method("d", "dense"), ev.Method("s", "static", (0.0, 0.5, 0.7))):
+    padded = ev.mc_scores(params, config, method, rows, batch_size=4)
+    cut = ev.mc_scores(params, config, method, rows, batch_size=4, bucket=8)
+    np.testing.assert_allclose(cut, padded, atol=1e-4)
+  # the rows' order is kept: a cut run of reversed rows is the reverse
+  back = ev.MCRows(*(a[::-1] for a in rows))
+  np.testing.assert_allclose(ev.mc_scores(params, config, method, back, 4, bucket=8),
+                             padded[::-1], atol=1e-4)
+
+
 def test_mc_accuracy_by_hand():
   owner = np.array([0, 0, 0, 1, 1])
   scores = np.array([-3.0, -1.0, -2.0, -0.5, -0.7])

@@ -168,3 +168,34 @@ def test_eval_of_a_search_without_a_router(tmp_path, monkeypatch):
   with pytest.raises(Loaded):  # past the router: on to the target with the schedule
     pipeline.run_eval(config, str(run), {}, ("dense", "ftp_static", "uniform_static"))
   assert read == [str(run)]
+
+
+def test_calibration_items_from_an_mc_file_are_disjoint_from_the_evaluation(tmp_path):
+  from configs import smollm2_135m_ftp
+  from jakiro_jax.prune import assets, pipeline
+  from jakiro_jax.prune import evaluate as ev
+  config = smollm2_135m_ftp.get_config()
+  articles = write_texts(tmp_path / "a.jsonl", [40] * 12)
+  config.data.prompts = config.data.articles = articles
+  config.data.questions = (articles,)
+  paths = pipeline.data_paths(config)
+  o = config.objective
+  o.mc_items = 256
+  # the shipped ARC-Easy test items: all there, none among the evaluation's queries or ids
+  o.mc_file = "arc_easy_test"
+  items = pipeline.calibration_items(None, config, paths)
+  held_out = ev.read_mc(assets.MC_FILE)
+  assert len(items) == 256 and all(0 <= it["gold"] < len(it["choices"]) for it in items)
+  assert not {it["id"] for it in items} & {it["id"] for it in held_out}
+  assert not {it["query"] for it in items} & {it["query"] for it in held_out}
+  o.mc_items = 5
+  assert pipeline.calibration_items(None, config, paths) == items[:5]
+  # an item shared with the evaluation set is refused by name
+  leaky = tmp_path / "leaky.jsonl"
+  leaky.write_text("".join(json.dumps(it) + "\n" for it in items[:3] + held_out[7:8]))
+  o.mc_file = str(leaky)
+  with pytest.raises(ValueError, match="1 of its first 4 items are evaluation items"):
+    pipeline.calibration_items(None, config, paths)
+  o.mc_file = str(tmp_path / "none.jsonl")
+  with pytest.raises(FileNotFoundError, match="config.objective.mc_file: no such file"):
+    pipeline.calibration_items(None, config, paths)

@@ -15,6 +15,9 @@ import os
 ASSET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                          "prune")
 MC_FILE = os.path.join(ASSET_DIR, "mc", "arc_easy_val200.jsonl")
+# Calibration items of a search scored by task accuracy: the ARC-Easy test split, disjoint
+# from MC_FILE's validation items (`config.objective.mc_file="arc_easy_test"`).
+MC_CALIBRATION_FILES = {"arc_easy_test": os.path.join(ASSET_DIR, "mc", "arc_easy_test256.jsonl")}
 
 
 def shipped_names() -> list[str]:

@@ -590,9 +590,28 @@ def _mc_batches(rows: MCRows, batch_size: int):
 
 
 def mc_scores(params, config: LlamaConfig, method: Method, rows: MCRows,
-              batch_size: int = 16) -> np.ndarray:
-  """Summed continuation log-probability `[R]` of every row under a method."""
+              batch_size: int = 16, bucket: int = 0) -> np.ndarray:
+  """Summed continuation log-probability `[R]` of every row under a method.
+
+  bucket > 0: rows are scored in groups cut to their real length rounded up to a multiple
+  of `bucket` (the padding after a row's real tokens changes nothing, but costs compute:
+  ARC-Easy rows of 64 slots hold 30 tokens at the median). A few more compilations;
+  the random method draws its mask over the row width, so it is never cut."""
   check_method(method, config.num_layers)
+  num = rows.tokens.shape[1]
+  if bucket <= 0 or method.kind == "random":
+    return _mc_scores_of(params, config, method, rows, batch_size)
+  widths = np.minimum(-(-np.asarray(rows.lengths) // bucket) * bucket, num)
+  scores = np.zeros((len(rows.tokens),), np.float32)
+  for width in np.unique(widths):
+    index = np.flatnonzero(widths == width)
+    part = MCRows(rows.tokens[index, :width], *(a[index] for a in rows[1:]))
+    scores[index] = _mc_scores_of(params, config, method, part, batch_size)
+  return scores
+
+
+def _mc_scores_of(params, config: LlamaConfig, method: Method, rows: MCRows,
+                  batch_size: int) -> np.ndarray:
   num = rows.tokens.shape[1]
   width = int(-(-int(np.max(rows.ends - rows.starts)) // 8) * 8)  # rounded up: fewer shapes
   sparsity, counts = schedule_arrays(method, config.num_layers, num)

@@ -80,13 +80,31 @@ def _ga_settings(config, block, **over):
 
 
 def calibration_items(target, config, paths):
-  """Multiple-choice calibration items of the search's objective: cloze items of the
-  training prompts (`data.prompts`), disjoint from every evaluation set."""
-  from jakiro_jax.prune import tasks
+  """Multiple-choice calibration items of the search's objective (`objective.mc_file`):
+  "" = cloze items of the training prompts (`data.prompts`); a name of
+  `assets.MC_CALIBRATION_FILES` ("arc_easy_test") or a path = its first `mc_items` MC
+  items. Refused if any shares its query with an evaluation MC item (`data.mc`): a
+  calibration set must be disjoint from what is evaluated."""
+  from jakiro_jax.prune import assets, tasks
+  from jakiro_jax.prune import evaluate as ev
   o = config.objective
-  return tasks.cloze_items(paths["prompts"], o.mc_items, context_words=o.mc_context_words,
-                           choice_words=o.mc_choice_words, seed=config.seed,
-                           min_words=o.mc_context_words + o.mc_choice_words, skip=0)
+  source = o.get("mc_file", "")
+  if not source:
+    return tasks.cloze_items(paths["prompts"], o.mc_items, context_words=o.mc_context_words,
+                             choice_words=o.mc_choice_words, seed=config.seed,
+                             min_words=o.mc_context_words + o.mc_choice_words, skip=0)
+  path = assets.MC_CALIBRATION_FILES.get(source, source)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"config.objective.mc_file: no such file {path} (a path or one "
+                            f"of {sorted(assets.MC_CALIBRATION_FILES)})")
+  items = ev.read_mc(path, o.mc_items)
+  held_out = {item["query"] for item in ev.read_mc(paths["mc"])}
+  shared = [item["query"] for item in items if item["query"] in held_out]
+  if shared:
+    raise ValueError(f"config.objective.mc_file {path}: {len(shared)} of its first "
+                     f"{len(items)} items are evaluation items of {paths['mc']}, e.g. "
+                     f"{shared[0]!r}")
+  return items
 
 
 def objective_parts(target, config, paths, all_terms: bool = False) -> dict:

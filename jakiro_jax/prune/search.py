@@ -288,7 +288,7 @@ def kl_fitness(params, config, tokens, lengths=None, agree_weight: float = 0.0,
   return fitness
 
 
-def mc_fitness(params, config, rows, gold, batch_size: int = 16
+def mc_fitness(params, config, rows, gold, batch_size: int = 16, bucket: int = 16
                ) -> Callable[[tuple[float, ...]], float]:
   """Fitness of a schedule on multiple-choice calibration items, static router: the mean
   over items of the right choice's probability under a softmax over the choices' mean
@@ -298,8 +298,9 @@ def mc_fitness(params, config, rows, gold, batch_size: int = 16
   because a mean of log-probabilities is ruled by a few confidently wrong items.
 
   rows: `evaluate.mc_rows` of the items (`MCRows`, grouped by item in choice order; a
-  tail makes it the fair scoring); gold `[I]`: the right choice of each item. One
-  compilation serves every schedule (the keep mask is an array)."""
+  tail makes it the fair scoring); gold `[I]`: the right choice of each item. The rows
+  are scored cut to their length (`evaluate.mc_scores`' bucket); one compilation per
+  width serves every schedule (the keep mask is an array)."""
   from jakiro_jax.prune import evaluate as ev
 
   owner = np.asarray(rows.owner)
@@ -314,7 +315,8 @@ def mc_fitness(params, config, rows, gold, batch_size: int = 16
 
   def fitness(schedule: tuple[float, ...]) -> float:
     method = ev.Method("schedule", "static", tuple(schedule))
-    scores = ev.mc_scores(params, config, method, rows, batch_size).astype(np.float64)
+    scores = ev.mc_scores(params, config, method, rows, batch_size, bucket=bucket
+                          ).astype(np.float64)
     scores = scores / widths
     right_p = [np.exp(scores[right[i]] - np.logaddexp.reduce(scores[owner == i]))
                for i in range(num_items)]
