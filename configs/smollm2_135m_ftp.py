@@ -48,6 +48,9 @@ def get_config() -> ml_collections.ConfigDict:
       kl_weight=1.0, last_weight=0.0, last_tokens=16, mc_weight=0.0, mc_items=64,
       mc_length=64, mc_context_words=30, mc_choice_words=6, mc_file=""))
 
+  # Schedules that join the search's first population beside uniform and BI-proportional
+  # (shipped names or schedule.json paths, e.g. an earlier search's, at the same budget).
+  c.seed_schedules = ()
   # GA with the static router. The spec's defaults are population 32, 30 generations;
   # scaled down for a 2-core CPU (one fitness call ~1.5 s).
   c.ga = ml_collections.ConfigDict(dict(

@@ -199,3 +199,20 @@ def test_calibration_items_from_an_mc_file_are_disjoint_from_the_evaluation(tmp_
   o.mc_file = str(tmp_path / "none.jsonl")
   with pytest.raises(FileNotFoundError, match="config.objective.mc_file: no such file"):
     pipeline.calibration_items(None, config, paths)
+
+
+def test_seed_schedules_join_the_search_at_the_budget(tmp_path):
+  from configs import smollm2_135m_ftp
+  from jakiro_jax.prune import assets, pipeline
+  config = smollm2_135m_ftp.get_config()
+  assert pipeline.seed_schedules(config, 30) == []  # none by default
+  config.seed_schedules = ("smollm2_s30",)
+  (seed,) = pipeline.seed_schedules(config, 30)
+  np.testing.assert_array_equal(seed, assets.static_schedule("smollm2_s30", 30))
+  record = tmp_path / "schedule.json"
+  record.write_text(json.dumps({"schedule": [0.0] + [0.4] * 29}))
+  config.seed_schedules = ("smollm2_s30", str(record))
+  with pytest.raises(ValueError, match=r"has mean sparsity 0.3867, not the budget 0.3"):
+    pipeline.seed_schedules(config, 30)
+  with pytest.raises(ValueError, match="schedule has 30 entries, the model has 12 layers"):
+    pipeline.seed_schedules(config, 12)

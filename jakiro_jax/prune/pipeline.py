@@ -131,6 +131,26 @@ def objective_parts(target, config, paths, all_terms: bool = False) -> dict:
   return parts
 
 
+def seed_schedules(config, num_layers: int) -> list:
+  """Schedules of `config.seed_schedules` (`assets.static_schedule` specs: a shipped name or
+  a schedule.json, e.g. an earlier search's) that join the search's first population;
+  each must have the budget's mean sparsity."""
+  import numpy as np
+
+  from jakiro_jax.prune import assets
+
+  out = []
+  for spec in config.get("seed_schedules", ()):
+    schedule = assets.static_schedule(spec, num_layers)
+    if schedule is None:
+      raise ValueError(f"seed schedule {spec!r} prunes nothing")
+    if abs(float(np.mean(schedule)) - config.budget) > 1e-6:
+      raise ValueError(f"seed schedule {spec!r} has mean sparsity {np.mean(schedule):.4f}, "
+                       f"not the budget {config.budget}")
+    out.append(np.asarray(schedule, np.float64))
+  return out
+
+
 def run_search(config, out_dir, paths) -> None:
   import numpy as np
 
@@ -143,10 +163,11 @@ def run_search(config, out_dir, paths) -> None:
                                         np.full(len(tokens), tokens.shape[1]))
   settings = _ga_settings(config, config.ga)
   n = target.config.num_layers
-  # Uniform and BI-proportional start the population: elitism carries the best of them,
-  # so the result is never below either on the objective.
+  # Uniform, BI-proportional and the user's seed schedules start the population: elitism
+  # carries the best of them, so the result is never below any on the objective.
   seeds = [search.uniform_genome(n, config.budget, settings),
-           search.influence_genome(influence, config.budget, settings)]
+           search.influence_genome(influence, config.budget, settings),
+           *seed_schedules(config, n)]
   parts = objective_parts(target, config, paths)
   fitness = search.weighted_fitness(list(parts.values()))
   start = time.time()
@@ -157,6 +178,8 @@ def run_search(config, out_dir, paths) -> None:
             "objective": config.objective.to_dict(),
             "uniform_fitness": fitness(tuple(seeds[0])),
             "influence_fitness": fitness(tuple(seeds[1])),
+            "seed_fitness": {spec: fitness(tuple(seed)) for spec, seed in
+                             zip(config.get("seed_schedules", ()), seeds[2:])},
             "terms": {name: {"searched": f(result["schedule"]),
                              "uniform": f(tuple(seeds[0])),
                              "influence": f(tuple(seeds[1]))}
