@@ -102,13 +102,19 @@ def test_the_evaluation_defaults_fit_the_article_file():
   assert len(items) == e.cloze_items and min(it["text"] for it in items) == e.cloze_skip
 
 
-def test_eval_wiring_of_the_mc_scorings_and_their_table(tmp_path):
+def ftp_config(tmp_path):
+  """The FTP config with every data path at one small file of texts (returned too)."""
   from configs import smollm2_135m_ftp
-  from jakiro_jax.prune import pipeline
   config = smollm2_135m_ftp.get_config()
   articles = write_texts(tmp_path / "a.jsonl", [40] * 12)
   config.data.prompts = config.data.articles = articles
   config.data.questions = (articles,)
+  return config, articles
+
+
+def test_eval_wiring_of_the_mc_scorings_and_their_table(tmp_path):
+  from jakiro_jax.prune import pipeline
+  config, articles = ftp_config(tmp_path)
   paths = pipeline.data_paths(config)
   assert paths["cloze"] == articles  # the cloze file defaults to the articles
   e = config.eval
@@ -171,13 +177,8 @@ def test_eval_of_a_search_without_a_router(tmp_path, monkeypatch):
 
 
 def test_calibration_items_from_an_mc_file_are_disjoint_from_the_evaluation(tmp_path):
-  from configs import smollm2_135m_ftp
   from jakiro_jax.prune import assets, pipeline
-  from jakiro_jax.prune import evaluate as ev
-  config = smollm2_135m_ftp.get_config()
-  articles = write_texts(tmp_path / "a.jsonl", [40] * 12)
-  config.data.prompts = config.data.articles = articles
-  config.data.questions = (articles,)
+  config, _ = ftp_config(tmp_path)
   paths = pipeline.data_paths(config)
   o = config.objective
   o.mc_items = 256
