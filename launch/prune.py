@@ -5,9 +5,10 @@
   python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=eval [--out_dir=DIR]
 
 search: genetic search of the per-block sparsities (mean = config.budget) with the static
-  router, fitness -KL to the dense model on a calibration batch; writes DIR/schedule.json
-  (the searched schedule, the block influences and the search history). Resumes from
-  DIR/search/.
+  router, fitness config.objective (-KL to the dense model on a calibration batch by
+  default; task accuracy on MC items with objective.mc_file); uniform, BI-proportional and
+  config.seed_schedules start it. Writes DIR/schedule.json (the searched schedule, the
+  block influences and the search history). Resumes from DIR/search/.
 train: trains the dynamic router under DIR/schedule.json (checkpoints in
   DIR/router/checkpoints, resumed), then fine-tunes the schedule with the router in the
   loop (config.finetune); writes DIR/router/router.json (router + fine-tuned schedule).
