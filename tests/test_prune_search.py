@@ -174,6 +174,23 @@ def test_mc_fitness_is_the_right_choice_probability():
     search.mc_fitness(params, config, ev.MCRows(*(a[:5] for a in rows)), gold)
 
 
+def test_cached_fitness_scores_each_schedule_once_through_repair_noise():
+  calls = []
+
+  def fitness(schedule):
+    calls.append(schedule)
+    return toy_fitness(schedule)
+
+  cached = search.cached_fitness(fitness)
+  seed = search.uniform_genome(N, BUDGET, SETTINGS)
+  again = search.repair(seed + 1e-13, BUDGET, 0.9)  # what the population holds
+  assert cached(tuple(seed)) == toy_fitness(seed)
+  assert cached(tuple(again)) == toy_fitness(seed) and len(calls) == 1
+  other = tuple(search.repair(seed + np.linspace(-0.1, 0.1, N), BUDGET, 0.9))
+  assert cached(other) == toy_fitness(other) and len(calls) == 2
+  assert cached(other) == toy_fitness(other) and len(calls) == 2
+
+
 def test_weighted_fitness_and_spearman():
   f = search.weighted_fitness([(2.0, lambda s: s[0]), (0.0, lambda s: 1 / 0),
                                (-1.0, lambda s: s[1])])

@@ -119,15 +119,16 @@ def objective_parts(target, config, paths, all_terms: bool = False) -> dict:
   parts = {}
   tokens = _calibration(target, config, paths, config.calib_rows, config.calib_length,
                         config.seed)
-  parts["kl"] = (o.kl_weight, search.kl_fitness(target.params, target.config, tokens,
-                                                agree_weight=config.ga.agree_weight,
-                                                last_weight=o.last_weight,
-                                                last_tokens=o.last_tokens))
+  # Cached: the search's record scores its seeds and winner again.
+  parts["kl"] = (o.kl_weight, search.cached_fitness(search.kl_fitness(
+      target.params, target.config, tokens, agree_weight=config.ga.agree_weight,
+      last_weight=o.last_weight, last_tokens=o.last_tokens)))
   if o.mc_weight or all_terms:
     items = calibration_items(target, config, paths)
     rows = ev.mc_rows(target, items, o.mc_length)
     gold = [item["gold"] for item in items]
-    parts["mc"] = (o.mc_weight, search.mc_fitness(target.params, target.config, rows, gold))
+    parts["mc"] = (o.mc_weight, search.cached_fitness(
+        search.mc_fitness(target.params, target.config, rows, gold)))
   return parts
 
 

@@ -325,6 +325,22 @@ def mc_fitness(params, config, rows, gold, batch_size: int = 16, bucket: int = 1
   return fitness
 
 
+def cached_fitness(fitness: Callable[[tuple[float, ...]], float]
+                   ) -> Callable[[tuple[float, ...]], float]:
+  """`fitness` that computes each schedule once: the search's record asks again for the
+  seeds and the winner, already scored in the search (an MC call costs ~35 s). Keys are
+  rounded to 1e-9, since a seed comes back from `repair` with float noise."""
+  values: dict[tuple[float, ...], float] = {}
+
+  def cached(schedule: tuple[float, ...]) -> float:
+    key = tuple(round(float(s), 9) for s in schedule)
+    if key not in values:
+      values[key] = fitness(schedule)
+    return values[key]
+
+  return cached
+
+
 def weighted_fitness(parts: Sequence[tuple[float, Callable[[tuple[float, ...]], float]]]
                      ) -> Callable[[tuple[float, ...]], float]:
   """sum_j w_j f_j(schedule) of (weight, fitness) pairs (a weight 0 skips its call)."""
