@@ -83,6 +83,15 @@ def get_config() -> ml_collections.ConfigDict:
       gate="kept", save_every=50, eval_every=50, select="heldout", heldout_rows=8,
       calib_rows=64, tail_weight=0.0, tail_tokens=8, inputs="factors", recent=0))
 
+  # The fitted linear router (--mode=fit, eval method ftp_fit): score = position_weight x
+  # position + a x attention received, the newest `recent` tokens kept as by the window;
+  # a from attention_weights (0, the both-ends rule, always tried first) by the least KL
+  # on `rows` calibration rows of `length` tokens (long enough that the window leaves
+  # older tokens to choose among). `train_router.fit_linear_router`.
+  c.fit = ml_collections.ConfigDict(dict(
+      rows=8, length=256, recent=64, position_weight=-1.0,
+      attention_weights=(0.25, 0.5, 1.0, 2.0, 4.0, 8.0)))
+
   # Held-out evaluation. MC-style scoring (ARC-Easy, and cloze items from natural text,
   # `prune.tasks.cloze_items`: a 30-word passage, its next 8 words against 3 segments of
   # other texts; up to 3 items per text of the cloze file, skipping its first

@@ -2,6 +2,7 @@
 
   python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=search --out_dir=DIR
   python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=train --out_dir=DIR
+  python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=fit --out_dir=DIR
   python -m launch.prune --config=configs/smollm2_135m_ftp.py --mode=eval [--out_dir=DIR]
 
 search: genetic search of the per-block sparsities (mean = config.budget) with the static
@@ -15,9 +16,14 @@ train: trains the dynamic router under DIR/schedule.json (checkpoints in
   --config.router.inputs=hidden trains the input ablation instead: the hidden-state router
   (D -> 64 -> 1 on the residual stream entering each block) in DIR/router_hidden/, on the
   searched schedule (no fine-tune); DIR/router/ is left as it is.
+fit: fits the linear router (age + attention received, with a recency window; config.fit)
+  on DIR/schedule.json by the calibration KL of a few candidate weights, and writes
+  DIR/router_fit/router.json (the eval method ftp_fit).
 rank: scores --schedules (and --random_schedules random ones) by each term of the search
   objective (config.objective) and by held-out ARC-Easy MC (config.eval.mc_items), and
-  prints the Spearman rank correlation of each term with the held-out accuracy.
+  prints the Spearman rank correlation of each term with the held-out accuracy, and an
+  exact McNemar test of each pair of schedules on the same items (per-item results in
+  --json_out).
 eval: held-out perplexity, KL / top-1 vs dense, greedy-32 agreement, MC accuracy (ARC-Easy
   and the cloze task, each as is and fair: config.eval.mc_tail), achieved sparsity and
   FLOPs ratio of FTP-dynamic, FTP-static (searched schedule), uniform-static,
@@ -41,20 +47,22 @@ from ml_collections import config_flags
 
 from jakiro_jax.atomic_dir import write_json
 from jakiro_jax.prune import pipeline
-from jakiro_jax.prune.pipeline import ALL_METHODS, ROUTER_DIRS
+from jakiro_jax.prune.pipeline import ALL_METHODS, OWN_ROUTER_DIRS
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m_ftp.py",
                                           "FTP config file.", lock_config=True)
-_MODE = flags.DEFINE_enum("mode", None, ["search", "train", "eval", "rank"], "What to run.")
+_MODE = flags.DEFINE_enum("mode", None, ["search", "train", "fit", "eval", "rank"],
+                          "What to run.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Run directory (search and train: "
                                "required; eval: the router to evaluate, default shipped).")
 _SHIPPED = flags.DEFINE_string("shipped", "smollm2_s30", "eval without --out_dir: the "
                                "shipped router's name.")
 _METHODS = flags.DEFINE_list("methods", None, "eval: a subset of dense,ftp_dynamic,"
                              "ftp_window,ftp_static,ends_static,uniform_static,random,"
-                             "shortgpt,blockpruner,ftp_hidden (default all but blockpruner; "
-                             "ftp_hidden when DIR/router_hidden/router.json exists).")
+                             "shortgpt,blockpruner,ftp_hidden,ftp_fit (default all but "
+                             "blockpruner; ftp_hidden / ftp_fit when DIR/router_hidden / "
+                             "DIR/router_fit holds a router.json).")
 _NO_MC = flags.DEFINE_bool("no_mc", False, "eval: skip every multiple-choice scoring "
                            "(ARC-Easy and cloze, as is and with the fair tail).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "eval, rank: write the report here.")
@@ -83,32 +91,32 @@ def _check_config(config) -> None:
 
 def _eval_methods(out_dir) -> tuple[str, ...]:
   """--methods, checked (default: all but blockpruner, whose search alone takes longer
-  than the rest of the evaluation on a CPU; ftp_hidden when DIR/router_hidden/router.json
-  is there)."""
+  than the rest of the evaluation on a CPU; ftp_hidden / ftp_fit when their router.json
+  is in DIR)."""
   from jakiro_jax.prune import train_router as tr
 
-  hidden_file = (os.path.join(out_dir, ROUTER_DIRS["hidden"], tr.ROUTER_FILE)
-                 if out_dir else None)
-  has_hidden = hidden_file is not None and os.path.isfile(hidden_file)
-  default = tuple(m for m in ALL_METHODS
-                  if m != "blockpruner" and (has_hidden or m != "ftp_hidden"))
+  has = {m: out_dir is not None and os.path.isfile(os.path.join(out_dir, d, tr.ROUTER_FILE))
+         for m, d in OWN_ROUTER_DIRS.items()}
+  default = tuple(m for m in ALL_METHODS if m != "blockpruner" and has.get(m, True))
   methods = tuple(_METHODS.value or default)
   unknown = [m for m in methods if m not in ALL_METHODS]
   if unknown:
     raise app.UsageError(f"--methods: unknown {unknown}; choose from {list(ALL_METHODS)}")
-  if "ftp_hidden" in methods and not has_hidden:
-    raise app.UsageError("--methods=ftp_hidden needs --out_dir with router_hidden/"
-                         f"{tr.ROUTER_FILE} (--mode=train --config.router.inputs=hidden)")
+  how = {"ftp_hidden": "--mode=train --config.router.inputs=hidden", "ftp_fit": "--mode=fit"}
+  for m in OWN_ROUTER_DIRS:
+    if m in methods and not has[m]:
+      raise app.UsageError(f"--methods={m} needs --out_dir with {OWN_ROUTER_DIRS[m]}/"
+                           f"{tr.ROUTER_FILE} ({how[m]})")
   return methods
 
 
 def main(argv):
   cli.check_unexpected(argv)
   if _MODE.value is None:
-    raise app.UsageError("--mode is required: search, train or eval")
+    raise app.UsageError("--mode is required: search, train, fit, eval or rank")
   config = cli.checked_config(_CONFIG.value)
   _check_config(config)
-  if _MODE.value in ("search", "train") and not _OUT_DIR.value:
+  if _MODE.value in ("search", "train", "fit") and not _OUT_DIR.value:
     raise app.UsageError(f"--mode={_MODE.value} needs --out_dir")
   if _MODE.value == "rank" and len(set(_SCHEDULES.value)) + _RANDOM_SCHEDULES.value < 2:
     raise app.UsageError("--mode=rank correlates over schedules: it needs at least two "
@@ -124,6 +132,8 @@ def main(argv):
     pipeline.run_search(config, _OUT_DIR.value, paths)
   elif _MODE.value == "train":
     pipeline.run_train(config, _OUT_DIR.value, paths)
+  elif _MODE.value == "fit":
+    pipeline.run_fit(config, _OUT_DIR.value, paths)
   elif _MODE.value == "rank":
     target = pipeline.target_of(config)
     named = pipeline.named_schedules(_SCHEDULES.value, config, target, paths)
@@ -132,6 +142,10 @@ def main(argv):
     print("Spearman rank correlation with held-out MC accuracy over "
           f"{len(report['schedules'])} schedules: " +
           ", ".join(f"{k} {v:+.3f}" for k, v in report["spearman"].items()))
+    for pair, test in report["paired"].items():
+      print(f"paired on {report['settings']['mc_items']} items, {pair}: "
+            f"right only in the first {test['a_only']}, only in the second "
+            f"{test['b_only']}, exact McNemar p = {test['p']:.3f}")
     if _JSON_OUT.value:
       write_json(_JSON_OUT.value, report)
   else:

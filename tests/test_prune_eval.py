@@ -173,6 +173,10 @@ def test_cli_checks_the_router_inputs(tmp_path):
   assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
       "error: --methods=ftp_hidden needs --out_dir with router_hidden/router.json "
       "(--mode=train --config.router.inputs=hidden)")
+  out = _cli("--mode=eval", f"--out_dir={tmp_path}", "--methods=ftp_fit", *data,
+             f"--config.data.questions={text}")
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      "error: --methods=ftp_fit needs --out_dir with router_fit/router.json (--mode=fit)")
 
 
 def test_shipped_router_loads_with_its_budget():
@@ -250,6 +254,9 @@ def test_mc_scores_are_the_continuation_logprob_and_the_tail_leaves_dense_unchan
                      tail=40) == accuracy
   gold = [item["gold"] for item in MC_ITEMS]
   assert accuracy["d"] == ev.mc_accuracy(scores, rows.owner, gold)
+  right = ev.score_mc_items(params, config, CharTarget, [dense], MC_ITEMS, 16, 8)["d"]
+  assert right.shape == (len(MC_ITEMS),) and right.dtype == bool
+  np.testing.assert_array_equal(right, ev.mc_correct(scores, rows.owner, gold))
   # a pruned method does see the tail through its decisions
   static = ev.Method("s", "static", (0.0, 0.3, 0.5))
   assert not np.allclose(ev.mc_scores(params, config, static, rows, 8),
@@ -280,6 +287,7 @@ def test_mc_accuracy_by_hand():
   scores = np.array([-3.0, -1.0, -2.0, -0.5, -0.7])
   assert ev.mc_accuracy(scores, owner, [1, 1]) == 0.5
   assert ev.mc_accuracy(scores, owner, [1, 0]) == 1.0
+  np.testing.assert_array_equal(ev.mc_correct(scores, owner, [1, 1]), [True, False])
 
 
 def test_static_router_skips_answer_tokens_only_with_a_tail():

@@ -332,3 +332,31 @@ def test_hidden_router_sees_each_block_input_in_both_prefills(setup):
                                    schedule=SCHEDULE, router="dynamic")
   np.testing.assert_array_equal(gathered.keep, masked.keep)
   np.testing.assert_allclose(gathered.prob, masked.prob, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_router_scores_the_factors_linearly_and_starts_at_the_both_ends_rule(setup):
+  # its probability is sigmoid(w . f) on factors in [0, 1]
+  w = (-1.0, 2.0, 0.5, -0.25)
+  router = routers.linear_router(w)
+  factors = jnp.asarray(np.random.RandomState(0).uniform(0, 1, (50, 4)), jnp.float32)
+  np.testing.assert_allclose(routers.router_prob(router, factors),
+                             jax.nn.sigmoid(factors @ jnp.asarray(w)), atol=2e-6)
+  assert set(router) == {"w1", "b1", "w2", "b2"}
+  assert float(routers.linear_router(w, recent=3)["recent"]) == 3.0
+  # attention weight 0: oldest first, so with a window it is the both-ends rule
+  lengths = (T, 7)
+  for window in (2, 3):
+    _, out = prefill(setup, "dynamic", routers.linear_router((-1.0, 0, 0, 0), window),
+                     lengths=lengths)
+    np.testing.assert_array_equal(out.keep, routers.static_keep_mask(
+        SCHEDULE, lengths, T, recent=window))
+  # a large attention weight moves the choice away from oldest first
+  _, out = prefill(setup, "dynamic", routers.linear_router((-0.1, 13.0, 0, 0)),
+                   lengths=lengths)
+  oldest = routers.static_keep_mask(SCHEDULE, lengths, T, recent=0)
+  assert not np.array_equal(out.keep, oldest)
+  np.testing.assert_array_equal(out.keep.sum(-1), oldest.sum(-1))  # the same counts
+  with pytest.raises(ValueError, match="linear range"):
+    routers.linear_router((-1.0, 14.0, 0, 0))
+  with pytest.raises(ValueError, match="4 finite floats"):
+    routers.linear_router((-1.0, 1.0))

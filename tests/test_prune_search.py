@@ -207,6 +207,33 @@ def test_weighted_fitness_and_spearman():
     search.spearman([1, 2], [1, 2, 3])
 
 
+def test_mcnemar_exact_on_the_discordant_items():
+  from scipy import stats
+
+  from jakiro_jax.prune import pipeline
+
+  # 10 items: both right on 3, A alone on 5, B alone on 1, neither on 1
+  a = [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]
+  b = [1, 1, 1, 0, 0, 0, 0, 0, 1, 0]
+  test = search.mcnemar(a, b)
+  assert (test["a_only"], test["b_only"]) == (5, 1)
+  # two-sided exact: 2 * P(X <= 1), X ~ Bin(6, 1/2) = 2 * 7 / 64
+  assert test["p"] == pytest.approx(14 / 64)
+  assert test["p"] == pytest.approx(stats.binomtest(1, 6, 0.5).pvalue)
+  assert search.mcnemar(b, a) == {"a_only": 1, "b_only": 5, "p": test["p"]}
+  assert search.mcnemar(a, a)["p"] == 1.0  # no discordant item
+  big = search.mcnemar([1] * 30 + [0] * 5, [0] * 30 + [1] * 5)
+  assert big["p"] == pytest.approx(stats.binomtest(5, 35, 0.5).pvalue) and big["p"] < 1e-4
+  with pytest.raises(ValueError, match="same length"):
+    search.mcnemar([1, 0], [1])
+  # rank mode's per-item strings: every pair once, in order
+  rows = {"x": {"mc_correct": "1111111100"}, "y": {"mc_correct": "1110000010"},
+          "z": {"mc_correct": "0000000000"}}
+  paired = pipeline.paired_mc(rows)
+  assert list(paired) == ["x vs y", "x vs z", "y vs z"]
+  assert paired["x vs y"] == test and paired["y vs z"]["a_only"] == 4
+
+
 def test_search_never_ends_below_its_seeds():
   # The best of the seeded population is carried by elitism: the result is at least as
   # good as every seed, on the objective searched.

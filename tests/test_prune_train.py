@@ -460,3 +460,58 @@ def test_router_settings_take_every_field_the_config_sets():
   assert settings.distill_weight == tr.RouterSettings().distill_weight  # not set: default
   assert settings.seed == 7 and settings.tail_weight == 2.5
   settings.check()
+
+
+def test_fitted_linear_router_never_loses_to_the_both_ends_rule(setup, tmp_path,
+                                                                monkeypatch):
+  from configs import smollm2_135m_ftp
+  from jakiro_jax.prune import evaluate as ev
+  from jakiro_jax.prune import pipeline
+  config, params, tokens, _, _ = setup
+  fit = tr.fit_linear_router(params, config, tokens, SCHEDULE, 2, (4.0, 0.5, 0.0),
+                             progress=False)
+  grid = {g["attention_weight"]: g["kl"] for g in fit["grid"]}
+  assert list(grid) == [0.0, 4.0, 0.5]  # weight 0 first, once
+  assert len(set(grid.values())) > 1  # the attention weight changes the choice
+  best = min(grid, key=grid.get)
+  assert fit["weights"] == [-1.0, best, 0.0, 0.0]
+  assert grid[best] <= fit["both_ends_kl"] == grid[0.0]
+  # its starting point is the untrained both-ends rule, measured independently
+  ends = ev.Method("ends", "static", SCHEDULE, recent=2)
+  lengths = np.full((len(tokens),), tokens.shape[1])
+  assert fit["both_ends_kl"] == pytest.approx(
+      ev.compare(params, config, [ends], tokens, lengths, 4)["ends"]["kl"], rel=1e-5)
+  assert tr.heldout_stats(params, config, fit["router"], SCHEDULE, tokens)["kl"] == (
+      pytest.approx(grid[best], rel=1e-6))
+  # --mode=fit writes DIR/router_fit/router.json, which the eval method ftp_fit loads
+  cfg = smollm2_135m_ftp.get_config()
+  cfg.fit.recent, cfg.fit.attention_weights = 2, (4.0,)
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "schedule.json").write_text(json.dumps({"schedule": list(SCHEDULE)}))
+
+  class Target:
+    pass
+  target = Target()
+  target.params, target.config = params, config
+  monkeypatch.setattr(pipeline, "target_of", lambda c: target)
+  monkeypatch.setattr(pipeline, "_calibration", lambda *a: np.asarray(tokens))
+  pipeline.run_fit(cfg, str(run), {})
+  router, schedule, record = tr.load_router(str(run / "router_fit"))
+  assert schedule == SCHEDULE and float(router["recent"]) == 2.0
+  assert [g["attention_weight"] for g in record["grid"]] == [0.0, 4.0]
+  assert record["both_ends_kl"] == pytest.approx(fit["both_ends_kl"], rel=1e-6)
+
+  class Loaded(Exception):
+    pass
+
+  def stop(_):
+    raise Loaded
+  monkeypatch.setattr(pipeline, "target_of", stop)
+  with pytest.raises(Loaded):  # the fitted router loaded, on to the target
+    pipeline.run_eval(cfg, str(run), {}, ("dense", "ftp_fit"))
+  bare = tmp_path / "bare"  # a search without a fit
+  bare.mkdir()
+  (bare / "schedule.json").write_text((run / "schedule.json").read_text())
+  with pytest.raises(FileNotFoundError, match="no router file .*router_fit"):
+    pipeline.run_eval(cfg, str(bare), {}, ("dense", "ftp_fit"))

@@ -626,13 +626,18 @@ def _mc_scores_of(params, config: LlamaConfig, method: Method, rows: MCRows,
   return np.concatenate(scores)
 
 
-def mc_accuracy(scores: np.ndarray, owner: np.ndarray, gold: Sequence[int]) -> float:
-  """Fraction of items whose highest-scoring row (`scores [R]`, `owner [R]`) is the gold
-  choice (the items' rows are consecutive, in choice order)."""
+def mc_correct(scores: np.ndarray, owner: np.ndarray, gold: Sequence[int]) -> np.ndarray:
+  """`[N]` bool: whether item i's highest-scoring row (`scores [R]`, `owner [R]`) is its
+  gold choice (the items' rows are consecutive, in choice order)."""
   picked = np.asarray([np.argmax(np.where(owner == i, scores, -np.inf))
                        for i in range(len(gold))])
   first = np.asarray([np.argmax(owner == i) for i in range(len(gold))])
-  return float(np.mean(picked - first == np.asarray(gold)))
+  return picked - first == np.asarray(gold)
+
+
+def mc_accuracy(scores: np.ndarray, owner: np.ndarray, gold: Sequence[int]) -> float:
+  """Fraction of items answered right (`mc_correct`)."""
+  return float(np.mean(mc_correct(scores, owner, gold)))
 
 
 def answer_skipped(keep: np.ndarray, rows: MCRows) -> float:
@@ -662,8 +667,17 @@ def score_mc(params, config: LlamaConfig, target, methods: Sequence[Method],
   at s >= 0.25, and for rows with e <= 82 at s = 0.3, i.e. under a budget of 0.3 the
   answers sit in the skipped oldest part in most blocks. A longer tail costs time in
   proportion (rows are scored whole)."""
+  return {name: float(np.mean(right)) for name, right in score_mc_items(
+      params, config, target, methods, items, length, batch_size, tail).items()}
+
+
+def score_mc_items(params, config: LlamaConfig, target, methods: Sequence[Method],
+                   items: Sequence[Mapping[str, Any]], length: int = 64,
+                   batch_size: int = 16, tail: int = 0) -> dict:
+  """`score_mc` item by item: {name: `[N]` bool, item i answered right}, for paired
+  comparisons of methods on the same items (`search.mcnemar`)."""
   rows = mc_rows(target, items, length, tail)
   gold = [item["gold"] for item in items]
-  return {m.name: mc_accuracy(mc_scores(params, config, m, rows, batch_size), rows.owner,
-                              gold)
+  return {m.name: mc_correct(mc_scores(params, config, m, rows, batch_size), rows.owner,
+                             gold)
           for m in methods}

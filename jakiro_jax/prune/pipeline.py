@@ -16,7 +16,7 @@ from jakiro_jax.atomic_dir import write_json
 # Methods that run the trained router (DIR/router); the others need only a schedule.
 ROUTER_METHODS = ("ftp_dynamic", "ftp_window")
 ALL_METHODS = ("dense", "ftp_dynamic", "ftp_window", "ftp_static", "ends_static",
-               "uniform_static", "random", "shortgpt", "blockpruner", "ftp_hidden")
+               "uniform_static", "random", "shortgpt", "blockpruner", "ftp_hidden", "ftp_fit")
 METHOD_LABELS = {
     "dense": "dense",
     "ftp_dynamic": "FTP-dynamic (trained router, fine-tuned schedule)",
@@ -28,8 +28,11 @@ METHOD_LABELS = {
     "shortgpt": "ShortGPT (whole blocks removed)",
     "blockpruner": "BlockPruner (attention / MLP sub-blocks removed)",
     "ftp_hidden": "FTP-hidden (hidden-state router, searched schedule)",
+    "ftp_fit": "fitted linear router (age + attention, its own window; searched schedule)",
 }
 ROUTER_DIRS = {"factors": "router", "hidden": "router_hidden"}
+# Methods whose router lives in its own DIR/<dir>/router.json (run only when it exists).
+OWN_ROUTER_DIRS = {"ftp_hidden": "router_hidden", "ftp_fit": "router_fit"}
 # MC-style accuracies of the report (and the retention of each, "_accuracy" -> "_retention"),
 # with their `eval_table` columns.
 MC_KEYS = (("mc_accuracy", "MC"), ("mc_fair_accuracy", "MCfair"),
@@ -255,23 +258,38 @@ def rank_schedules(config, target, paths, named: dict, random_count: int = 0,
       done = saved.get("schedules", {})
   out = {}
   for label, schedule in named.items():
-    if label in done and done[label]["schedule"] == list(schedule):
+    if (label in done and done[label]["schedule"] == list(schedule)
+        and "mc_correct" in done[label]):
       out[label] = done[label]
       continue
     row = {"schedule": list(schedule)}
     for term, (_, f) in parts.items():
       row[term] = f(tuple(schedule))
     method = ev.Method(label, "static", tuple(schedule))
-    row["mc_accuracy"] = ev.score_mc(target.params, target.config, target, [method], items,
-                                     config.eval.mc_length, 16)[label]
+    right = ev.score_mc_items(target.params, target.config, target, [method], items,
+                              config.eval.mc_length, 16)[label]
+    row["mc_accuracy"] = float(np.mean(right))
+    row["mc_correct"] = "".join("1" if r else "0" for r in right)  # item by item
     out[label] = row
     progress(f"{label}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items()
-                                       if k != "schedule"))
+                                       if k not in ("schedule", "mc_correct")))
     if save_path:
       write_json(save_path, {"settings": settings, "schedules": out})
   held = [r["mc_accuracy"] for r in out.values()]
   corr = {term: search.spearman([r[term] for r in out.values()], held) for term in parts}
-  return {"settings": settings, "schedules": out, "spearman": corr}
+  return {"settings": settings, "schedules": out, "spearman": corr,
+          "paired": paired_mc(out)}
+
+
+def paired_mc(rows: dict) -> dict:
+  """Exact McNemar test (`search.mcnemar`) of every pair of `rank_schedules` rows on
+  their per-item results: {"A vs B": {"a_only", "b_only", "p"}}."""
+  from jakiro_jax.prune import search
+
+  right = {label: [c == "1" for c in row["mc_correct"]] for label, row in rows.items()}
+  labels = list(right)
+  return {f"{a} vs {b}": search.mcnemar(right[a], right[b])
+          for i, a in enumerate(labels) for b in labels[i + 1:]}
 
 
 def read_schedule(out_dir) -> tuple:
@@ -365,6 +383,37 @@ def run_train(config, out_dir, paths) -> None:
         f"{' '.join(f'{t:.3f}' for t in thresholds)}")
 
 
+def run_fit(config, out_dir, paths) -> dict:
+  """Fits the linear router (`train_router.fit_linear_router`) on the searched schedule
+  (DIR/schedule.json) over config.fit.rows calibration rows of config.fit.length tokens
+  (a seeded stream of the prompts apart from the search's and the training's), and
+  writes DIR/router_fit/router.json (the `ftp_fit` eval method). Returns the fit."""
+  from jakiro_jax.prune import train_router as tr
+
+  schedule = read_schedule(out_dir)
+  target = target_of(config)
+  f = config.fit
+  rows = _calibration(target, config, paths, f.rows, f.length, config.seed + 2)
+  start = time.time()
+  fit = tr.fit_linear_router(target.params, target.config, rows, schedule, f.recent,
+                             f.attention_weights, f.position_weight)
+  seconds = time.time() - start
+  thresholds = tr.calibrate_thresholds(target.params, target.config, fit["router"],
+                                       schedule, rows)
+  fit_dir = os.path.join(out_dir, OWN_ROUTER_DIRS["ftp_fit"])
+  os.makedirs(fit_dir, exist_ok=True)
+  tr.save_router(os.path.join(fit_dir, tr.ROUTER_FILE), fit["router"], schedule,
+                 {"fitted": "linear", "weights": fit["weights"], "grid": fit["grid"],
+                  "both_ends_kl": fit["both_ends_kl"], "recent": f.recent, "rows": f.rows,
+                  "length": f.length, "fit_seconds": seconds, "target": config.target,
+                  "searched_schedule": list(schedule), "thresholds": list(thresholds)})
+  best = min(fit["grid"], key=lambda g: g["kl"])
+  print(f"fitted linear router (window {f.recent}, {f.rows} rows of {f.length}): attention "
+        f"weight {fit['weights'][1]:g}, KL {best['kl']:.4f} against the both-ends rule's "
+        f"{fit['both_ends_kl']:.4f} ({seconds:.0f} s)")
+  return fit
+
+
 def _progress(start, what) -> None:
   print(f"[{time.time() - start:6.0f} s] {what}", flush=True)
 
@@ -438,7 +487,8 @@ def _thresholds(record) -> tuple | None:
 def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "smollm2_s30",
              with_mc: bool = True) -> dict:
   """Evaluates `methods` (names of `ALL_METHODS`) at the router's budget: the router of
-  `out_dir` (DIR/router, and DIR/router_hidden for ftp_hidden) or the shipped one named
+  `out_dir` (DIR/router; DIR/router_hidden for ftp_hidden, DIR/router_fit for ftp_fit)
+  or the shipped one named
   `shipped`; without DIR/router and without `ROUTER_METHODS`, the searched schedule
   (DIR/schedule.json) and its budget. Returns the report (per method: articles,
   questions, greedy agreement, decode sparsity, the accuracies of `MC_KEYS` and their
@@ -451,9 +501,6 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
   from jakiro_jax.prune import evaluate as ev
   from jakiro_jax.prune import train_router as tr
   from jakiro_jax.prune.schedule import mean_sparsity, uniform_schedule
-
-  hidden_file = (os.path.join(out_dir, ROUTER_DIRS["hidden"], tr.ROUTER_FILE)
-                 if out_dir else None)
 
   router_file = os.path.join(out_dir, "router", tr.ROUTER_FILE) if out_dir else None
   if out_dir and not os.path.isfile(router_file) and not set(methods) & set(ROUTER_METHODS):
@@ -469,15 +516,19 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
     source = f"shipped:{shipped}"
   searched = tuple(record.get("searched_schedule", schedule))
   budget = mean_sparsity(schedule)
-  hidden_router = hidden_schedule = None
-  if "ftp_hidden" in methods:
-    hidden_router, hidden_schedule, hidden_record = tr.load_router(hidden_file)
-    if abs(mean_sparsity(hidden_schedule) - budget) > 1e-6:
-      raise ValueError(f"{hidden_file} has budget {mean_sparsity(hidden_schedule):.4f}, "
-                       f"the router in {out_dir}/router {budget:.4f}")
+  own = {}  # method -> (router, schedule, record) from DIR/<OWN_ROUTER_DIRS[method]>
+  for name in methods:
+    if name in OWN_ROUTER_DIRS:
+      path = (os.path.join(out_dir, OWN_ROUTER_DIRS[name], tr.ROUTER_FILE) if out_dir
+              else f"{OWN_ROUTER_DIRS[name]}/{tr.ROUTER_FILE} (no --out_dir)")
+      own[name] = tr.load_router(path) + (path,)
+      if abs(mean_sparsity(own[name][1]) - budget) > 1e-6:
+        raise ValueError(f"{path} has budget {mean_sparsity(own[name][1]):.4f}, "
+                         f"the router in {out_dir}/router {budget:.4f}")
   target = target_of(config)
   tc = target.config
-  for where, r in ((f"{source} router", router), (hidden_file, hidden_router)):
+  for where, r in ((f"{source} router", router),
+                   *((v[3], v[0]) for v in own.values())):
     if r is not None:  # a clear error for a router of another model's hidden size
       try:
         routers.router_input_kind(routers.router_input_size(r), tc.hidden_size)
@@ -512,14 +563,14 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
     known["blockpruner"] = ev.Method("blockpruner", "blockpruner",
                                      removed_attn=tuple(blockpruner["attention"]),
                                      removed_mlp=tuple(blockpruner["mlp"]))
-  if hidden_router is not None:
-    known["ftp_hidden"] = ev.Method("ftp_hidden", "dynamic", hidden_schedule,
-                                    router=hidden_router,
-                                    thresholds=_thresholds(hidden_record))
+  for name, (own_router, own_schedule, own_record, _) in own.items():
+    known[name] = ev.Method(name, "dynamic", own_schedule, router=own_router,
+                            thresholds=_thresholds(own_record))
   chosen = [known[m] for m in methods]
   report = {"source": source, "budget": budget, "schedule": list(schedule),
             "searched_schedule": list(searched),
-            "hidden_schedule": None if hidden_schedule is None else list(hidden_schedule),
+            **{f"{name[4:]}_schedule": list(own[name][1]) if name in own else None
+               for name in OWN_ROUTER_DIRS},
             "shortgpt_removed": list(known["shortgpt"].removed),
             "blockpruner_removed": blockpruner, "methods": {}}
   start = time.time()

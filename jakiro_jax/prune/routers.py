@@ -225,6 +225,38 @@ def init_router(seed: int | jax.Array = 0, hidden: int = ROUTER_HIDDEN,
   return params
 
 
+LINEAR_SHIFT = 20.0  # GELU(x) = x to fp32 precision for x >= 6: keeps w.f + shift linear
+
+
+def linear_router(weights: Sequence[float], recent: int = 0, hidden: int = ROUTER_HIDDEN
+                  ) -> dict:
+  """Factor-router params (`init_router`'s shapes) whose keep probability is
+  sigmoid(weights . factors) for factor weights `[F]` (position, attention score, its
+  rank, sparsity): hidden unit 0 computes GELU(w . f + LINEAR_SHIFT), linear while
+  |w . f| <= 14, `b2` takes the shift back off, the other units are zero. A plain
+  linear scorer stored as the MLP, so every path that runs, saves or evaluates a router
+  takes it (`train_router.fit_linear_router` fits its weights). With the position weight
+  < 0 and the others 0 it ranks oldest first: with `recent` R it is the both-ends rule
+  (`static_keep_mask(..., recent=R)`)."""
+  w = np.asarray(weights, np.float32)
+  if w.shape != (ROUTER_FACTORS,) or not np.all(np.isfinite(w)):
+    raise ValueError(f"linear router weights must be {ROUTER_FACTORS} finite floats "
+                     f"(position, attention, rank, sparsity), got {weights}")
+  if np.sum(np.abs(w[:3])) + abs(float(w[3])) > 14.0:
+    raise ValueError(f"linear router weights {weights} leave GELU's linear range "
+                     f"(sum of |w| must be <= 14; the factors lie in [0, 1])")
+  w1 = np.zeros((ROUTER_FACTORS, hidden), np.float32)
+  b1 = np.zeros((hidden,), np.float32)
+  w2 = np.zeros((hidden, 1), np.float32)
+  w1[:, 0], b1[0], w2[0, 0] = w, LINEAR_SHIFT, 1.0
+  params = {"w1": jnp.asarray(w1), "b1": jnp.asarray(b1), "w2": jnp.asarray(w2),
+            "b2": jnp.asarray([-LINEAR_SHIFT], jnp.float32)}
+  recent = check_recent(recent)
+  if recent:
+    params[RECENT_KEY] = jnp.float32(recent)
+  return params
+
+
 def recent_window(router_params: Mapping[str, jax.Array], ctx: BlockContext
                   ) -> jax.Array | None:
   """`[B, T]` bool: this call's tokens among the newest `recent` of the sequence, token 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Callable, Sequence
 
@@ -371,3 +372,19 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
   if rx.std() == 0 or ry.std() == 0:
     return float("nan")
   return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def mcnemar(right_a: Sequence[bool], right_b: Sequence[bool]) -> dict:
+  """Exact McNemar test of two methods scored on the same items (`[N]` bool each, item i
+  answered right): under the null that both are equally accurate, each item that exactly
+  one of them gets right is A's with probability 1/2. Returns {"a_only", "b_only", "p"}
+  with p the two-sided binomial p-value on the discordant items (1.0 when there are
+  none). Paired, so far more sensitive than comparing the two accuracies."""
+  a, b = np.asarray(right_a, bool), np.asarray(right_b, bool)
+  if a.shape != b.shape or a.ndim != 1:
+    raise ValueError(f"mcnemar needs two 1-D sequences of the same length, got {a.shape} "
+                     f"and {b.shape}")
+  a_only, b_only = int(np.sum(a & ~b)), int(np.sum(b & ~a))
+  n, low = a_only + b_only, min(a_only, b_only)
+  tail = sum(math.comb(n, k) for k in range(low + 1)) / 2.0 ** n
+  return {"a_only": a_only, "b_only": b_only, "p": float(min(1.0, 2.0 * tail))}

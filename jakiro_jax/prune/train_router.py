@@ -497,6 +497,37 @@ def load_router(path: str, allow_nonfinite: bool = False
   return router, tuple(float(s) for s in record["schedule"]), record
 
 
+# ------------------------------------------------------------------- fitted linear
+
+def fit_linear_router(params, config: LlamaConfig, tokens: np.ndarray,
+                      schedule: Sequence[float], recent: int,
+                      attention_weights: Sequence[float], position_weight: float = -1.0,
+                      batch_size: int = 4, progress: bool = True) -> dict:
+  """A router fitted by direct search, not by gradients: `routers.linear_router` with
+  factor weights (position_weight, a, 0, 0) and window `recent`, for each attention weight
+  a of `attention_weights` (0 is always tried first: oldest first, the both-ends rule),
+  scored by the mean KL(dense || pruned) on rows `tokens [R, T]` (`heldout_stats`, top-k
+  as in prefill). Only the ratio a / |position_weight| matters to top-k. The least KL
+  wins, ties to the earlier weight, so the fit is never worse than the rule it starts
+  from on these rows. Why not gradients: the gates' first-order gradients do not predict
+  what another top-k choice among the older tokens does (docs/FTP.md), while a handful of
+  forwards measure it. Returns {"router", "weights" [F], "grid": [{"attention_weight",
+  "kl"}], "both_ends_kl"}."""
+  candidates = [0.0] + [float(a) for a in attention_weights if float(a) != 0.0]
+  grid, best = [], None
+  for a in candidates:
+    router = routers.linear_router((position_weight, a, 0.0, 0.0), recent)
+    kl = heldout_stats(params, config, router, schedule, tokens, batch_size=batch_size)["kl"]
+    grid.append({"attention_weight": a, "kl": kl})
+    if best is None or kl < best[1]:
+      best = (a, kl, router)
+    if progress:
+      print(f"attention weight {a:g} (position {position_weight:g}): KL {kl:.4f}",
+            flush=True)
+  return {"router": best[2], "weights": [position_weight, best[0], 0.0, 0.0],
+          "grid": grid, "both_ends_kl": grid[0]["kl"]}
+
+
 # ------------------------------------------------------------------------------ loop
 
 def train_router(params, config: LlamaConfig, tokens: np.ndarray, schedule: Sequence[float],
