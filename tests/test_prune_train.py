@@ -510,6 +510,10 @@ def test_fitted_linear_router_never_loses_to_the_both_ends_rule(setup, tmp_path,
   monkeypatch.setattr(pipeline, "target_of", stop)
   with pytest.raises(Loaded):  # the fitted router loaded, on to the target
     pipeline.run_eval(cfg, str(run), {}, ("dense", "ftp_fit"))
+  # a fit of another budget than the run's schedule is refused by name
+  (run / "schedule.json").write_text(json.dumps({"schedule": [0.0, 0.4, 0.5]}))
+  with pytest.raises(ValueError, match="router_fit/router.json has budget 0.3667, .*0.3000"):
+    pipeline.run_eval(cfg, str(run), {}, ("dense", "ftp_fit"))
   bare = tmp_path / "bare"  # a search without a fit
   bare.mkdir()
   (bare / "schedule.json").write_text((run / "schedule.json").read_text())

@@ -228,8 +228,10 @@ def rank_schedules(config, target, paths, named: dict, random_count: int = 0,
   ({label: schedule}) plus `random_count` seeded random ones (repaired Gaussian noise of
   std 0.15 around uniform) scored by each term of the objective and by held-out
   multiple choice (the first `mc_items` ARC-Easy items, static router); the Spearman rank
-  correlation of each term with the held-out accuracy over the schedules. Returns
-  {"schedules": {label: {"schedule", term: value, "mc_accuracy"}}, "spearman": {term: r}}.
+  correlation of each term with the held-out accuracy over the schedules, and the exact
+  McNemar test of each pair (`paired_mc`). Returns {"schedules": {label: {"schedule",
+  term: value, "mc_accuracy", "mc_correct": "0110..." item by item}}, "spearman":
+  {term: r}, "paired": {"A vs B": {...}}}.
   save_path: the report so far is written there after every schedule, and a rerun with
   the same objective and items takes the rows it holds for the same schedules."""
   import numpy as np
@@ -524,7 +526,7 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
       own[name] = tr.load_router(path) + (path,)
       if abs(mean_sparsity(own[name][1]) - budget) > 1e-6:
         raise ValueError(f"{path} has budget {mean_sparsity(own[name][1]):.4f}, "
-                         f"the router in {out_dir}/router {budget:.4f}")
+                         f"{source} {budget:.4f}")
   target = target_of(config)
   tc = target.config
   for where, r in ((f"{source} router", router),
