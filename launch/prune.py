@@ -82,6 +82,12 @@ def _check_config(config) -> None:
                          f"kl_weight {o.kl_weight}, mc_weight {o.mc_weight}")
   cli.require_positive(**{f"config.objective.{k}": o[k] for k in (
       "mc_items", "mc_length", "mc_context_words", "mc_choice_words")})
+  f = config.fit
+  cli.require_positive(**{"config.fit.rows": f.rows, "config.fit.length": f.length})
+  if f.recent < 0 or f.recent != int(f.recent) or f.position_weight >= 0:
+    raise app.UsageError(f"--config.fit.recent must be a whole number >= 0 and "
+                         f"--config.fit.position_weight < 0 (older tokens rank by age), "
+                         f"got {f.recent} and {f.position_weight}")
   from jakiro_jax.prune.routers import ROUTER_INPUT_KINDS
   inputs = config.router.get("inputs", "factors")
   if inputs not in ROUTER_INPUT_KINDS:

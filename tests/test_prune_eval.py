@@ -177,6 +177,11 @@ def test_cli_checks_the_router_inputs(tmp_path):
              f"--config.data.questions={text}")
   assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
       "error: --methods=ftp_fit needs --out_dir with router_fit/router.json (--mode=fit)")
+  out = _cli("--mode=fit", f"--out_dir={tmp_path}", "--config.fit.rows=0")
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      "error: --config.fit.rows must be >= 1, got 0")
+  out = _cli("--mode=fit", f"--out_dir={tmp_path}", "--config.fit.position_weight=1.0")
+  assert out.returncode == 2 and "position_weight < 0" in out.stderr.strip().splitlines()[-1]
 
 
 def test_shipped_router_loads_with_its_budget():
