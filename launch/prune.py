@@ -84,11 +84,14 @@ def _check_config(config) -> None:
       "mc_items", "mc_length", "mc_context_words", "mc_choice_words")})
   f = config.fit
   cli.require_positive(**{"config.fit.rows": f.rows, "config.fit.length": f.length})
-  if f.recent < 0 or f.recent != int(f.recent) or f.position_weight >= 0:
-    raise app.UsageError(f"--config.fit.recent must be a whole number >= 0 and "
-                         f"--config.fit.position_weight < 0 (older tokens rank by age), "
-                         f"got {f.recent} and {f.position_weight}")
-  from jakiro_jax.prune.routers import ROUTER_INPUT_KINDS
+  from jakiro_jax.prune.routers import ROUTER_INPUT_KINDS, check_recent
+  try:
+    check_recent(f.recent)
+  except ValueError as e:
+    raise app.UsageError(f"--config.fit.recent: {e}") from None
+  if f.position_weight >= 0:
+    raise app.UsageError(f"--config.fit.position_weight must be < 0 (older tokens rank "
+                         f"by age), got {f.position_weight}")
   inputs = config.router.get("inputs", "factors")
   if inputs not in ROUTER_INPUT_KINDS:
     raise app.UsageError(f"--config.router.inputs must be one of {', '.join(ROUTER_INPUT_KINDS)},"

@@ -181,7 +181,11 @@ def test_cli_checks_the_router_inputs(tmp_path):
   assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
       "error: --config.fit.rows must be >= 1, got 0")
   out = _cli("--mode=fit", f"--out_dir={tmp_path}", "--config.fit.position_weight=1.0")
-  assert out.returncode == 2 and "position_weight < 0" in out.stderr.strip().splitlines()[-1]
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      "error: --config.fit.position_weight must be < 0 (older tokens rank by age), got 1.0")
+  out = _cli("--mode=fit", f"--out_dir={tmp_path}", "--config.fit.recent=-1")
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      "error: --config.fit.recent: router recency window -1 must be a whole number >= 0")
 
 
 def test_shipped_router_loads_with_its_budget():

@@ -501,6 +501,7 @@ def test_fitted_linear_router_never_loses_to_the_both_ends_rule(setup, tmp_path,
   assert schedule == SCHEDULE and float(router["recent"]) == 2.0
   assert [g["attention_weight"] for g in record["grid"]] == [0.0, 4.0]
   assert record["both_ends_kl"] == pytest.approx(fit["both_ends_kl"], rel=1e-6)
+  assert record["thresholds"] is None  # the window keeps every decode token
 
   class Loaded(Exception):
     pass

@@ -30,9 +30,10 @@ METHOD_LABELS = {
     "ftp_hidden": "FTP-hidden (hidden-state router, searched schedule)",
     "ftp_fit": "fitted linear router (age + attention, its own window; searched schedule)",
 }
-ROUTER_DIRS = {"factors": "router", "hidden": "router_hidden"}
 # Methods whose router lives in its own DIR/<dir>/router.json (run only when it exists).
 OWN_ROUTER_DIRS = {"ftp_hidden": "router_hidden", "ftp_fit": "router_fit"}
+# Where --mode=train writes each router input kind.
+ROUTER_DIRS = {"factors": "router", "hidden": OWN_ROUTER_DIRS["ftp_hidden"]}
 # MC-style accuracies of the report (and the retention of each, "_accuracy" -> "_retention"),
 # with their `eval_table` columns.
 MC_KEYS = (("mc_accuracy", "MC"), ("mc_fair_accuracy", "MCfair"),
@@ -400,15 +401,17 @@ def run_fit(config, out_dir, paths) -> dict:
   fit = tr.fit_linear_router(target.params, target.config, rows, schedule, f.recent,
                              f.attention_weights, f.position_weight)
   seconds = time.time() - start
-  thresholds = tr.calibrate_thresholds(target.params, target.config, fit["router"],
-                                       schedule, rows)
+  # With a window every decode token is the newest and kept, so thresholds go unread.
+  thresholds = (None if f.recent else tr.calibrate_thresholds(
+      target.params, target.config, fit["router"], schedule, rows))
   fit_dir = os.path.join(out_dir, OWN_ROUTER_DIRS["ftp_fit"])
   os.makedirs(fit_dir, exist_ok=True)
   tr.save_router(os.path.join(fit_dir, tr.ROUTER_FILE), fit["router"], schedule,
                  {"fitted": "linear", "weights": fit["weights"], "grid": fit["grid"],
                   "both_ends_kl": fit["both_ends_kl"], "recent": f.recent, "rows": f.rows,
                   "length": f.length, "fit_seconds": seconds, "target": config.target,
-                  "searched_schedule": list(schedule), "thresholds": list(thresholds)})
+                  "searched_schedule": list(schedule),
+                  "thresholds": None if thresholds is None else list(thresholds)})
   best = min(fit["grid"], key=lambda g: g["kl"])
   print(f"fitted linear router (window {f.recent}, {f.rows} rows of {f.length}): attention "
         f"weight {fit['weights'][1]:g}, KL {best['kl']:.4f} against the both-ends rule's "
