@@ -32,6 +32,7 @@ from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import DecoderLayer, matmul_out_in, weight_param
+from jakiro_jax.sharding import whole_features
 from jakiro_jax.speculative.tree import (Candidates, TreeConfig, build_tree, level_one,
                                          next_frontier, topk_level)
 from jakiro_jax.drafts.losses import shift_positions
@@ -87,11 +88,12 @@ class MLPHead(nn.Module):
     d = self.hidden_size
     x = z
     for j in range(MLP_BLOCKS):
-      w = weight_param(self, f"block_{j}", (d, 2 * d if j == 0 else d), ("embed", None),
-                  self.dtype, nn.initializers.zeros)  # zero init, as the original
+      # Row-parallel over `tensor` like the draft's fc: one all-reduce of `[..., D]`.
+      w = weight_param(self, f"block_{j}", (d, 2 * d if j == 0 else d), ("embed", "mlp"),
+                       self.dtype, nn.initializers.zeros)  # zero init, as the original
       b = weight_param(self, f"block_{j}_bias", (d,), ("embed",), self.dtype,
                   nn.initializers.normal(0.02))
-      y = jax.nn.silu(matmul_out_in(x, w, 1) + b)
+      y = jax.nn.silu(whole_features(matmul_out_in(whole_features(x), w, 1)) + b)
       x = y if j == 0 else x + y
     return x
 

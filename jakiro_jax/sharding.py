@@ -16,6 +16,8 @@ data axis of 4, still runs, only without that split (see `fit_spec`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, Sequence
 
@@ -205,6 +207,38 @@ def single_device(shardings) -> bool:
              if hasattr(s, "device_set"))
 
 
+# The mesh of the program being traced when it spans several devices (`tracing_for`).
+_PROGRAM_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
+    "program_mesh", default=None)
+
+
+@contextlib.contextmanager
+def tracing_for(shardings):
+  """Within: tracing a program whose arguments are placed by the pytree `shardings`. On one
+  device the GPU attention kernel may run; over several it is traced out (GSPMD does not
+  partition a Pallas call) and `whole_features` constrains activations on their mesh."""
+  one = single_device(shardings)
+  meshes = [s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)]
+  token = _PROGRAM_MESH.set(None if one or not meshes else meshes[0])
+  try:
+    with tree_attention.fused_tree_attention(one):
+      yield
+  finally:
+    _PROGRAM_MESH.reset(token)
+
+
+def whole_features(x: jax.Array) -> jax.Array:
+  """`x [..., D]` with its features whole on every device, its other axes placed as GSPMD
+  likes: a row-parallel matmul's partial sums then meet in one all-reduce, where GSPMD
+  would otherwise reduce-scatter them and all-gather them again before each later use.
+  Outside a program traced over several devices (`tracing_for`), `x` as it is."""
+  mesh = _PROGRAM_MESH.get()
+  if mesh is None or mesh.shape.get("tensor", 1) == 1:
+    return x
+  spec = PartitionSpec(*([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)), None)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def jit_with_shardings(fn, static: dict, in_shardings, out_shardings,
                        donate_argnums: tuple[int, ...] = ()):
   """`jax.jit` of `fn` with its static keyword arguments bound and its positional ones
@@ -220,12 +254,11 @@ def jit_with_shardings(fn, static: dict, in_shardings, out_shardings,
   key = (fn, tuple(sorted(static.items())), frozen(in_shardings), frozen(out_shardings),
          donate_argnums)
   if key not in _JITS:
-    bound = functools.partial(fn, **static)
-    if not single_device(in_shardings):
-      # GSPMD does not partition a Pallas call: the GPU attention kernel is traced out.
-      def bound(*args, _fn=bound):
-        with tree_attention.fused_tree_attention(False):
-          return _fn(*args)
+    partial = functools.partial(fn, **static)
+
+    def bound(*args):
+      with tracing_for(in_shardings):
+        return partial(*args)
     _JITS[key] = jax.jit(bound, in_shardings=in_shardings, out_shardings=out_shardings,
                          donate_argnums=donate_argnums)
   return _JITS[key]

@@ -57,6 +57,11 @@ def test_platforms():
   assert h200.peaks["hbm_bw"] > gpu.peaks["hbm_bw"]
   assert aot.tpu_topology_name("v5e-256") == "v5e:16x16"
   assert aot.tpu_topology_name("v5p-64") == "v5p:2x4x4"
+  for name in ("v4-8", "v5p-8"):  # 8 TensorCores: 4 chips, one device each (megacore)
+    two_core = aot.platform(name)
+    assert two_core.num_devices == 4, name
+    assert {d.core_on_chip for d in two_core.devices} == {0}, name
+    sharding.make_mesh((1, 1, 4), devices=two_core.devices)  # JAX's meshes take them
   with pytest.raises(ValueError, match="v5e slices have"):
     aot.tpu_topology_name("v5e-7")
   with pytest.raises(ValueError, match="whole hosts"):
@@ -150,6 +155,9 @@ def test_round_of_each_method_compiles(platform, method):
   # The verify forward alone all-reduces twice a layer.
   reduces = sum(v["count"] for k, v in hlo["collectives"].items() if k == "all-reduce")
   assert reduces >= 2 * tiny().num_layers
+  # The draft's row-parallel matrices sum in all-reduces: a reduce-scatter would have
+  # split the target's hidden states too, and all-gathered them at every use.
+  assert "reduce-scatter" not in hlo["collectives"], hlo["collectives"]
 
 
 def test_train_step_compiles_with_its_optimizer(platform):

@@ -291,6 +291,31 @@ def test_fit_spec_replicates_what_does_not_divide():
   assert fit_spec(P(("data", "fsdp"), "tensor"), (1, 97), FakeMesh) == P()
 
 
+def test_every_draft_matrix_splits_over_tensor():
+  """Under tensor parallelism no device reads a whole draft matrix at each draft level:
+  every weight of at least D x D elements names an axis the rules map to `tensor` (a
+  Jakiro gate, `[2, D]`, may stay whole)."""
+  import flax.linen as nn
+  import jax
+
+  from jakiro_jax import sharding
+  from jakiro_jax.drafts import registry
+  from jakiro_jax.models.config import LlamaConfig
+  tensor = {name for name, axes in sharding.LOGICAL_AXIS_RULES
+            if "tensor" in (axes if isinstance(axes, tuple) else (axes,))}
+  config = LlamaConfig(**TINY)
+  checked = 0
+  for method in METHODS:
+    drafter = registry.make_drafter(method, config, **DRAFT_OPTIONS[method])
+    boxed = jax.eval_shape(drafter.init_boxed, jax.random.PRNGKey(0))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+        boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]:
+      if isinstance(leaf, nn.Partitioned) and leaf.value.size >= config.hidden_size ** 2:
+        assert tensor & set(leaf.names), (method, jax.tree_util.keystr(path), leaf.names)
+        checked += 1
+  assert checked >= 4 * len(METHODS)
+
+
 def test_pod_launcher_dry_run_prints_the_commands():
   run = subprocess.run(
       [sys.executable, "-m", "launch.tpu_pod", "--tpu_name=jakiro-pod", "--zone=us-west4-a",

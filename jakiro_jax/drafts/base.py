@@ -26,6 +26,7 @@ from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache, causal_mask
 from jakiro_jax.drafts.losses import LossSettings, shift_positions
 from jakiro_jax.models.llama import matmul_out_in, weight_param
+from jakiro_jax.sharding import whole_features
 from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import Tree, TreeConfig
@@ -40,9 +41,11 @@ def draft_layer_config(target: LlamaConfig, num_layers: int = 1, **changes) -> L
 
 
 def fc_params(module: nn.Module, cfg: LlamaConfig, fc_bias: bool):
-  """The input projection's weight `[D, 2D]` and bias `[D]` (or None)."""
+  """The input projection's weight `[D, 2D]` and bias `[D]` (or None). Its input features
+  split over `tensor` as the target's down projection's do (row-parallel: one all-reduce
+  of `[..., D]`), so no device reads the whole matrix at every draft level."""
   d = cfg.hidden_size
-  weight = weight_param(module, "fc", (d, 2 * d), ("embed", None), cfg.dtype)
+  weight = weight_param(module, "fc", (d, 2 * d), ("embed", "mlp"), cfg.dtype)
   bias = (weight_param(module, "fc_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
           if fc_bias else None)
   return weight, bias
@@ -50,8 +53,10 @@ def fc_params(module: nn.Module, cfg: LlamaConfig, fc_bias: bool):
 
 def fuse_token_and_feature(embeds, features, weight, bias):
   """fc over [embedding ; feature] (embedding first): `[..., D]` x2 -> `[..., D]`."""
-  x = jnp.concatenate([embeds, features.astype(embeds.dtype)], axis=-1)
-  x = matmul_out_in(x, weight, 1)
+  # Both ends whole: the weight's split input would otherwise pull the split back into
+  # the target's hidden states, and its partial sums into a reduce-scatter.
+  x = whole_features(jnp.concatenate([embeds, features.astype(embeds.dtype)], axis=-1))
+  x = whole_features(matmul_out_in(x, weight, 1))  # row-parallel: one all-reduce
   return x if bias is None else x + bias
 
 

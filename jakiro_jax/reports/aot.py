@@ -206,9 +206,13 @@ def platform(device: str, devices: int = 1, log_path: str | None = None) -> Plat
           f"JAX_PLATFORMS=cpu") from None
     return Platform(device, f"{device} x{devices}", topology, tuple(topo.devices))
   name = tpu_topology_name(device)
+  # v4 and v5p chips hold two TensorCores run as one device ("megacore"); libtpu's v4
+  # default is one device per core, which JAX's meshes refuse.
+  chip = ({"chip_config_name": "megacore"} if name.split(":")[0] in ("v4", "v5p")
+          else {})
   try:
     with quiet_native_stderr(log_path):
-      topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+      topo = topologies.get_topology_desc(topology_name=name, platform="tpu", **chip)
   except Exception as e:  # noqa: BLE001
     raise AotUnavailable(
         f"cannot make compile-only TPU devices for {name} ({type(e).__name__}: {e}); "

@@ -32,7 +32,6 @@ from jakiro_jax import sharding
 from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, init_params, new_cache
-from jakiro_jax.models.tree_attention import fused_tree_attention
 from jakiro_jax.prune.baselines import removed_count
 from jakiro_jax.prune.flops import schedule_flops
 from jakiro_jax.prune.prefill import PrunedPrefill
@@ -60,7 +59,7 @@ class Program:
     blocks there; the GPU attention kernel only where the program runs on one device,
     as `sharding.jit_with_shardings` decides)."""
     shardings = [x.sharding for x in jax.tree.leaves(self.args)]
-    with vocab_blocks(blocks), fused_tree_attention(sharding.single_device(shardings)):
+    with vocab_blocks(blocks), sharding.tracing_for(shardings):
       return self.fn.lower(*self.args)
 
   def floor_bytes(self) -> int:
