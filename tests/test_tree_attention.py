@@ -37,6 +37,7 @@ def inputs(batch, tokens, kv, groups, head_dim, slots, dtype=jnp.bfloat16, seed=
 @pytest.mark.parametrize("tokens,kv,groups,head_dim,slots", [
     (12, 2, 3, 64, 256),   # SmolLM2's groups, rows padded 36 -> 64
     (60, 2, 4, 128, 384),  # the papers' tree with Llama-3's groups: 240 rows of 256
+    (60, 1, 7, 128, 256),  # with Qwen2-7B's: 420 rows of 512, one kv head, no slot split
     (7, 1, 1, 32, 128)])   # one kv head, one group, rows padded 7 -> 16
 def test_kernel_equals_the_xla_expression(tokens, kv, groups, head_dim, slots):
   q, keys, values, mask = inputs(2, tokens, kv, groups, head_dim, slots)
@@ -100,8 +101,10 @@ def test_where_the_kernel_applies():
   assert tree_attention.applies(q[:, :1], cache, mask[:, :1])  # a decode step's token
   assert not tree_attention.applies(q, cache[..., :200, :], mask[..., :200])  # part blocks
   assert not tree_attention.applies(q, cache, mask[..., :128])  # a prefill's narrow mask
-  assert not tree_attention.applies(jnp.zeros((1, 100, 2, 3, 64), jnp.bfloat16), cache,
-                                    jnp.ones((1, 100, 256), bool))  # 300 rows > 256
+  assert tree_attention.applies(jnp.zeros((1, 150, 2, 3, 64), jnp.bfloat16), cache,
+                                jnp.ones((1, 150, 256), bool))  # 450 rows
+  assert not tree_attention.applies(jnp.zeros((1, 200, 2, 3, 64), jnp.bfloat16), cache,
+                                    jnp.ones((1, 200, 256), bool))  # 600 rows > 512
   with tree_attention.fused_tree_attention(False):
     assert not tree_attention.applies(q, cache, mask)
   assert tree_attention.applies(q, cache, mask)
