@@ -69,3 +69,22 @@ def test_commit_moves_path_kv_into_place():
   np.testing.assert_array_equal(out.k[0, 0, 0, :6, 0], [0, 1, 2, 3, 5, 8])
   np.testing.assert_array_equal(out.v[1, 0, 0, :6, 0], -np.array([10, 11, 12, 13, 15, 18]))
   assert int(out.lengths[0]) == 6
+
+
+def test_one_row_commit_equals_the_scatter_near_the_cache_end():
+  """Batch 1 moves the path as one block (a dynamic-update-slice); it writes what the
+  batched scatter writes, also where the block would run past the last slot."""
+  k = jnp.arange(2 * 2 * 12, dtype=jnp.float32).reshape(2, 2, 1, 12, 1)  # [L, B, K, S, H]
+  path = jnp.array([[0, 2, 3, 1], [0, 1, 2, 3]])
+  for start in (3, 8, 9, 10):  # 8 + 4 = 12 slots fit exactly; 9 and 10 run past them
+    cache = KVCache(k=k, v=-k, lengths=jnp.array([start, start]))
+    both = commit_path(cache, path, jnp.array([2, 2]))  # batch 2: the scatter
+    one = commit_path(KVCache(k=k[:, :1], v=-k[:, :1], lengths=jnp.array([start])),
+                      path[:1], jnp.array([2]))
+    np.testing.assert_array_equal(one.k, both.k[:, :1], err_msg=str(start))
+    np.testing.assert_array_equal(one.v, both.v[:, :1], err_msg=str(start))
+    assert int(one.lengths[0]) == start + 2
+  moved = commit_path(KVCache(k=k[:, :1], v=-k[:, :1], lengths=jnp.array([9])), path[:1],
+                      jnp.array([2]))
+  # Nodes 0 and 2 sit at slots 9 and 11 and move to slots 9 and 10; slots before 9 stay.
+  np.testing.assert_array_equal(moved.k[0, 0, 0, :, 0], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 11])

@@ -102,6 +102,8 @@ def commit_path(cache: KVCache, path: jax.Array, advance: jax.Array) -> KVCache:
   Then `lengths += advance` (accepted + 1 for active rows, 0 for finished ones).
   Slots past the new length are left as scratch for the next round.
   """
+  if cache.batch == 1:
+    return _commit_path_one_row(cache, path, advance)
   rows = jnp.arange(cache.batch)[:, None]
   offsets = jnp.arange(path.shape[1], dtype=jnp.int32)[None]
   source = cache.lengths[:, None] + path
@@ -110,3 +112,26 @@ def commit_path(cache: KVCache, path: jax.Array, advance: jax.Array) -> KVCache:
   k = cache.k.at[:, rows, :, dest].set(cache.k[:, rows, :, source], mode="drop")
   v = cache.v.at[:, rows, :, dest].set(cache.v[:, rows, :, source], mode="drop")
   return cache.replace(k=k, v=v, lengths=cache.lengths + advance)
+
+
+def _commit_path_one_row(cache: KVCache, path: jax.Array, advance: jax.Array) -> KVCache:
+  """`commit_path` for one row: its W destination slots are one block, so the move is a
+  gather of the path's slots and one dynamic-update-slice per cache, where the scatter
+  made XLA:TPU copy the stacked caches to another layout and back. Near the cache's end
+  the block starts at S - W instead, and its slots before `lengths` keep their values,
+  as the scatter's dropped slots would."""
+  width = path.shape[1]
+  start = cache.lengths[0]
+  at = jnp.minimum(start, cache.max_len - width)
+  slot = at + jnp.arange(width, dtype=jnp.int32)  # [W] slots of the block
+  take = jnp.clip(slot - start, 0, width - 1)  # which path node each slot receives
+  source = start + path[0][take]
+
+  def move(stacked):  # [L, 1, K, S, H]
+    old = jax.lax.dynamic_slice_in_dim(stacked, at, width, axis=3)
+    new = jnp.take(stacked, source, axis=3, mode="clip")
+    block = jnp.where((slot >= start)[:, None], new, old)
+    return jax.lax.dynamic_update_slice_in_dim(stacked, block, at, axis=3)
+
+  return cache.replace(k=move(cache.k), v=move(cache.v), lengths=cache.lengths + advance)
+
