@@ -56,8 +56,8 @@ class Program:
 
   def lower(self, blocks: int = VOCAB_BLOCKS):
     """Traced as on the accelerator it is compiled for (`blocks`: the drafts' top-k
-    blocks there; the GPU attention kernel only where the program runs on one device,
-    as `sharding.jit_with_shardings` decides)."""
+    blocks there; `sharding.tracing_for` as `jit_with_shardings` traces: the GPU attention
+    kernel only on one device, the activation constraints over several)."""
     shardings = [x.sharding for x in jax.tree.leaves(self.args)]
     with vocab_blocks(blocks), sharding.tracing_for(shardings):
       return self.fn.lower(*self.args)
