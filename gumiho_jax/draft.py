@@ -88,7 +88,9 @@ class MLPHead(nn.Module):
     d = self.hidden_size
     x = z
     for j in range(MLP_BLOCKS):
-      # Row-parallel over `tensor` like the draft's fc: one all-reduce of `[..., D]`.
+      # Row-parallel over `tensor` like the draft's fc: one all-reduce of `[..., D]`. The
+      # input is constrained at every block: once before the loop, GSPMD still splits the
+      # residual between blocks (reduce-scatters in the compile test).
       w = weight_param(self, f"block_{j}", (d, 2 * d if j == 0 else d), ("embed", "mlp"),
                        self.dtype, nn.initializers.zeros)  # zero init, as the original
       b = weight_param(self, f"block_{j}_bias", (d,), ("embed",), self.dtype,
