@@ -11,6 +11,10 @@ Each target file's `get_config(method)` returns one ConfigDict that both launche
 nothing is downloaded. Recipes (each method's `training_recipe` and loss defaults):
   eagle2  AdamW lr 3e-5, 2000 warm-up steps, wd 0.01, clip by value 0.5, 20 epochs,
           tree top_k 10 / depth 5 / 60 tokens (the reference decays linearly; we cosine)
+  eagle3  AdamW lr 5e-5, 12000 warm-up steps, wd 0, clip by global norm 0.5, 40 epochs,
+          7 forwards of training-time test (0.8^k), tree top_k 10 / depth 7 / 60 tokens;
+          its draft vocabulary (32000), online features and no noise are set in
+          configs/llama31_8b_eagle3.py
   jakiro  AdamW lr 9e-5, cosine, 2000 warm-up steps, wd 1e-3, clip by value 0.5, 21
           epochs, loss v 1.0 / p 0.1 / contrast 0.5, tree as EAGLE-2
   jakiro_star  AdamW lr 9e-5, 2000 warm-up steps, wd 1e-3, clip by value 0.5, 31 epochs,

@@ -50,6 +50,7 @@ class GumihoDraft(nn.Module):
   config: LlamaConfig  # two-layer config
   mlp_num: int = 5
   fc_bias: bool = True
+  feature_streams: int = 1  # fused target streams (`fc_params`)
 
   def setup(self):
     cfg = self.config
@@ -112,6 +113,7 @@ class GumihoDrafter(DraftHead):
   # output; the bench reports the mismatches it causes. Greedy decoding only.
   fta: bool = False
   name: ClassVar[str] = "gumiho"
+  reads_fused: ClassVar[bool] = True
   inference_options: ClassVar[tuple[str, ...]] = ("fta", "reference_parity", "mlp_topk",
                                                   "pruning")
   torch_layout: ClassVar = None  # gumiho_jax/export.py sets it
@@ -138,7 +140,7 @@ class GumihoDrafter(DraftHead):
     return self.tree.depth - self.mlp_num
 
   def module(self) -> GumihoDraft:
-    return GumihoDraft(self.layer_config, self.mlp_num, self.fc_bias)
+    return GumihoDraft(self.layer_config, self.mlp_num, self.fc_bias, self.feature_streams)
 
   def extra_cache_slots(self) -> int:
     return max(self.serial_steps * self.tree.top_k, self.tree.max_path)
@@ -273,6 +275,7 @@ class GumihoDrafter(DraftHead):
     Training-time test unrolls the serial part only (at most `serial_steps` steps, the
     levels it drafts); the MLP heads already predict the later levels in parallel, and
     with a step unrolled they read its output as their second pair."""
+    batch = self.training_batch(batch)
     outputs = self.unrolled_outputs(params, head, batch, settings)
     serial = outputs[0]
     mlp = self.training_mlp_outputs(params, head, batch.input_ids, serial,

@@ -284,6 +284,8 @@ def drafter_digest(drafter) -> str:
   """sha256 of a candidate drafter's tree and every option (draft vocabulary, heads,
   pruning, ...): the prior's per-candidate key."""
   options = {k: json_value(v) for k, v in option_fields(drafter).items()}
+  if options.get("features") == "last":  # the default, from before the option: same keys
+    del options["features"]
   return _digest({"tree": dataclasses.asdict(drafter.tree), "options": options})
 
 

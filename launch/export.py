@@ -1,12 +1,15 @@
 """Export a draft to the directory layout the original PyTorch code loads, or a target to HF.
 
   python -m launch.export --draft=DIR --target=smollm2 --format=jakiro --out=DIR \
-      [--dtype=fp16|fp32] [--safetensors] [--bin] [--with_embedding] [--overwrite]
+      [--dtype=fp16|fp32] [--safetensors] [--bin] [--with_embedding] [--overwrite] \
+      [--variant=speculators]
   python -m launch.export --target=smollm2|DIR|file.gguf --format=hf --out=DIR [--overwrite]
 
 --draft is one of our draft directories (`draft.json` + `model.safetensors`) or the name of
 a shipped draft (`jakiro_jax/drafts/io.py: SHIPPED_DRAFTS`); --format must be its method
-(eagle2, jakiro, jakiro_star or gumiho). The target is needed because drafts do not store
+(eagle2, eagle3, jakiro, jakiro_star or gumiho). eagle3 writes the official EAGLE-3 layout
+(SafeAILab EAGLE, SGLang, SpecForge), or vLLM's speculators layout with
+--variant=speculators (`jakiro_jax/drafts/eagle3_layout.py`, docs/export.md). The target is needed because drafts do not store
 its embedding: Gumiho's loader requires `embed_tokens.weight` in the file; EAGLE-2, Jakiro
 and Jakiro* copy it from the base model, so it is added only with --with_embedding. Weight files: `model.safetensors`
 (--safetensors, no torch needed) and/or `pytorch_model.bin` (--bin, needs torch); by default
@@ -47,11 +50,15 @@ _OVERWRITE = flags.DEFINE_bool(
     "overwrite", False, "Replace a non-empty --out (removed once the new export is complete).")
 _FORCE = flags.DEFINE_bool(
     "force", False, "With --overwrite: also delete files in --out that no export wrote.")
+_VARIANT = flags.DEFINE_string(
+    "variant", None, "Another layout of the method: eagle3 has 'speculators' (vLLM's); "
+    "unset = the original code's.")
 
 
 def export_draft(draft: str, target_source: str, method: str, out: str, dtype: str = "fp32",
                  formats=None, with_embedding: bool = False,
-                 overwrite: bool = False, force: bool = False) -> list[str]:
+                 overwrite: bool = False, force: bool = False,
+                 variant: str | None = None) -> list[str]:
   """Loads our draft for the target and writes the reference directory; returns the paths."""
   from jakiro_jax.atomic_dir import check_destination
   from jakiro_jax.drafts.io import load_draft
@@ -75,7 +82,7 @@ def export_draft(draft: str, target_source: str, method: str, out: str, dtype: s
   if with_embedding or layout.embedding_required:
     embedding = target.params["params"]["embed_tokens"]["embedding"]
   paths = write_reference_dir(out, drafter, params, embedding, dtype, formats, overwrite,
-                              force)
+                              force, variant)
   warning = draft_vocab_warning(drafter)
   if warning:
     print(f"warning: {warning}", file=sys.stderr)
@@ -106,10 +113,14 @@ def main(argv):
     return
   if not _DRAFT.value:
     raise app.UsageError(f"--format={_FORMAT.value} needs --draft=DIR (or a shipped name)")
+  variants = sorted(getattr(registry.get(_FORMAT.value).torch_layout, "variants", None) or ())
+  if _VARIANT.value and _VARIANT.value not in variants:
+    raise app.UsageError(f"--format={_FORMAT.value} has no --variant={_VARIANT.value}; "
+                         f"available: {', '.join(variants) or 'none'}")
   formats = [f for f, flag in (("bin", _BIN), ("safetensors", _SAFETENSORS)) if flag.value]
   paths = export_draft(_DRAFT.value, _TARGET.value, _FORMAT.value, _OUT.value,
                        _DTYPE.value, formats or None, _WITH_EMBEDDING.value,
-                       _OVERWRITE.value, _FORCE.value)
+                       _OVERWRITE.value, _FORCE.value, _VARIANT.value)
   print("wrote " + ", ".join(paths))
 
 

@@ -19,10 +19,21 @@ sampled answers per prompt beside the greedy one, the evaluation questions kept 
       --self_prompts=8000 --self_prompt_kinds=code,qa,summarisation,extraction,reasoning,writing \
       --samples_per_prompt=3 --sample_temperatures=0.7,1.0 \
       --exclude_questions=$(ls path/to/eval/*.jsonl | paste -sd,)
+
+The features a method trains on: the final norm's output by default (EAGLE-2, Jakiro,
+Gumiho); `--method=eagle3` stores the target streams EAGLE-3 trains on instead (its
+drafter's `training_feature_layers` from the config's draft block: the three fused
+layers, then the final norm's output, 4x the disk), or `--feature_layers=2,16,29,-1`
+names them. meta.json records them and training refuses a set whose layers are not its
+method's:
+
+  python -m launch.gen_data --config=configs/smollm2_135m.py --method=eagle3 \
+      --prompts=path/to/prompts.jsonl --out=data/smollm2_selfdistill_eagle3
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -72,7 +83,31 @@ _DEDUP = flags.DEFINE_boolean("dedup", True, "Drop exact and near-duplicate prom
 _EXCLUDE = flags.DEFINE_list(
     "exclude_questions", [], "FastChat jsonl files (evaluation sets) whose questions must "
     "not reach the training set: exact and near-duplicate prompts are dropped.")
+_METHOD = flags.DEFINE_string(
+    "method", None, "Store the target features this draft method trains on (its "
+    "`training_feature_layers`, from the config's draft block; e.g. eagle3); default: "
+    "the final norm's output, what eagle2, jakiro and gumiho train on.")
+_FEATURE_LAYERS = flags.DEFINE_list(
+    "feature_layers", [], "Store these target streams instead, concatenated (i < L: the "
+    "stream entering layer i, L: the last layer's output, -1: the final norm's output); "
+    "not with --method.")
 flags.mark_flags_as_required(["prompts", "out"])
+
+
+def _feature_layers(config, target_config) -> tuple[int, ...]:
+  """The streams --method or --feature_layers ask for; () = the final norm's output."""
+  from jakiro_jax.train.distill_data import feature_layers_for
+
+  if _METHOD.value:
+    try:
+      return feature_layers_for(config, _METHOD.value, target_config)
+    except (TypeError, ValueError) as e:
+      raise app.UsageError(f"--method={_METHOD.value}: {e}") from None
+  try:
+    return tuple(int(i) for i in _FEATURE_LAYERS.value)
+  except ValueError:
+    raise app.UsageError(f"--feature_layers must be integers, got "
+                         f"{_FEATURE_LAYERS.value}") from None
 
 
 def main(argv):
@@ -85,6 +120,12 @@ def main(argv):
 
   cli.require_files(prompts=_PROMPTS.value, exclude_questions=_EXCLUDE.value)
   config = cli.checked_config(_CONFIG.value)
+  if _METHOD.value and _FEATURE_LAYERS.value:
+    raise app.UsageError("give --method or --feature_layers, not both")
+  from jakiro_jax.drafts import registry
+  if _METHOD.value and _METHOD.value not in registry.names():
+    raise app.UsageError(f"--method={_METHOD.value}: no such method; available: "
+                         f"{', '.join(registry.names())}")
   try:
     temperatures = tuple(float(t) for t in _SAMPLE_TEMPERATURES.value)
   except ValueError:
@@ -108,6 +149,11 @@ def main(argv):
   compile_cache.enable(_JAX_CACHE.value)
   print(f"loading target {config.target} ...", file=sys.stderr)
   target = load_target(config.target, dtype=config.dtype)
+  try:
+    settings = dataclasses.replace(settings,
+                                   feature_layers=_feature_layers(config, target.config))
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   meta = make_feature_set(
       target, prompts, _OUT.value, settings, records, self_prompts=_SELF_PROMPTS.value,
       extra_meta={"target_source": str(config.target),
@@ -115,7 +161,10 @@ def main(argv):
                   "excluded_files": [os.path.basename(p) for p in _EXCLUDE.value]},
       max_shards=_MAX_SHARDS.value, excluded=excluded)
   totals = summarize(_OUT.value)
-  print(f"feature set in {_OUT.value}: {meta['num_file_prompts']} file prompts + "
+  layers = meta.get("feature_layers")
+  print(f"feature set in {_OUT.value} ("
+        f"{f'target layers {layers}' if layers else 'final norm features'}): "
+        f"{meta['num_file_prompts']} file prompts + "
         f"{meta['self_prompts']} self-written; so far {totals['conversations']} "
         f"conversations, {totals['answer_tokens']} answer tokens (mix: "
         f"{os.path.join(_OUT.value, 'mix.json')})", file=sys.stderr)

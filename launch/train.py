@@ -1,4 +1,4 @@
-"""Train a draft head (EAGLE-2, Jakiro or Gumiho) on a feature set.
+"""Train a draft head (EAGLE-2, EAGLE-3, Jakiro, Jakiro* or Gumiho) on a feature set.
 
   python -m launch.gen_data --config=configs/smollm2_135m.py \
       --prompts=path/to/prompts.jsonl --out=data/smollm2_selfdistill

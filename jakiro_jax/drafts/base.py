@@ -40,19 +40,58 @@ def draft_layer_config(target: LlamaConfig, num_layers: int = 1, **changes) -> L
                         sliding_window=None, sliding_layers=(), **changes)
 
 
+FEATURE_SETS = ("last", "fused")
+
+
+def fused_feature_layers(num_layers: int) -> tuple[int, ...]:
+  """The fused target streams (EAGLE-3's): entering layers 2, L//2 and L-3, clamped to
+  0..L for targets of fewer than 5 layers (the tests' tiny ones)."""
+  return tuple(min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3))
+
+
+def parse_features(features: str, num_layers: int) -> tuple[int, ...]:
+  """A drafter's `features` option -> the target streams it reads (`Llama.feature_layers`):
+  "last" (), "fused" `fused_feature_layers`, or layer ids "i,j,k" (streams entering those
+  layers, L: the last layer's output)."""
+  if features == "last":
+    return ()
+  if features == "fused":
+    return fused_feature_layers(num_layers)
+  try:
+    layers = tuple(int(i) for i in features.split(","))
+  except ValueError:
+    raise ValueError(f"features must be one of {FEATURE_SETS} or layer ids such as "
+                     f"'2,8,13', got {features!r}") from None
+  bad = [i for i in layers if not 0 <= i <= num_layers]
+  if bad or len(layers) < 2:
+    raise ValueError(f"features={features!r}: give two or more of the target's residual "
+                     f"streams 0..{num_layers}")
+  return layers
+
+
 def fc_params(module: nn.Module, cfg: LlamaConfig, fc_bias: bool):
-  """The input projection's weight `[D, 2D]` and bias `[D]` (or None). Its input features
-  split over `tensor` as the target's down projection's do (row-parallel: one all-reduce
-  of `[..., D]`), so no device reads the whole matrix at every draft level."""
+  """The input projection's weight `[D, 2D]`, bias `[D]` (or None) and, for a module that
+  reads n > 1 fused target streams (its `feature_streams`), their projection `[D, n*D]`
+  (else None). Input features split over `tensor` as the target's down projection's do
+  (row-parallel: one all-reduce of `[..., D]`), so no device reads the whole matrix at
+  every draft level."""
   d = cfg.hidden_size
   weight = weight_param(module, "fc", (d, 2 * d), ("embed", "mlp"), cfg.dtype)
   bias = (weight_param(module, "fc_bias", (d,), ("embed",), cfg.dtype, nn.initializers.zeros)
           if fc_bias else None)
-  return weight, bias
+  streams = getattr(module, "feature_streams", 1)
+  fused = (weight_param(module, "feature_fc", (d, streams * d), ("embed", "mlp"), cfg.dtype)
+           if streams > 1 else None)
+  return weight, bias, fused
 
 
-def fuse_token_and_feature(embeds, features, weight, bias):
-  """fc over [embedding ; feature] (embedding first): `[..., D]` x2 -> `[..., D]`."""
+def fuse_token_and_feature(embeds, features, weight, bias, feature_fc=None):
+  """fc over [embedding ; feature] (embedding first): `[..., D]` x2 -> `[..., D]`. Fused
+  target streams `[..., n*D]` (the first step after the context) are projected to D by
+  `feature_fc` first; the draft's own `[..., D]` states (later steps) are not."""
+  if feature_fc is not None and features.shape[-1] != embeds.shape[-1]:
+    features = whole_features(matmul_out_in(
+        whole_features(features.astype(embeds.dtype)), feature_fc, 1))
   # Both ends whole: the weight's split input would otherwise pull the split back into
   # the target's hidden states, and its partial sums into a reduce-scatter.
   x = whole_features(jnp.concatenate([embeds, features.astype(embeds.dtype)], axis=-1))
@@ -72,6 +111,9 @@ class DraftHead:
   # forward multiplies by K rows of the lm_head instead of V. Still lossless (verification
   # never trusts the draft); () = the full vocabulary.
   draft_vocab: tuple[int, ...] = ()
+  # The target features read: "last" (the final norm's output, EAGLE-2's), "fused"
+  # (EAGLE-3's three residual streams, projected to D before fc) or layer ids "i,j,k".
+  features: str = "last"
 
   name: ClassVar[str] = ""
   inference_options: ClassVar[tuple[str, ...]] = ()
@@ -84,10 +126,46 @@ class DraftHead:
   # "papers": the paper's), T = 0 pooled over the five evaluation files: the compile
   # report's projection input, not a claim about larger targets.
   measured_tau: ClassVar[dict[str, float]] = {}
+  reads_fused: ClassVar[bool] = False  # True: takes features other than "last"
 
   @property
   def layer_config(self) -> LlamaConfig:
     return draft_layer_config(self.target_config, self.num_layers)
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    """The target streams generation reads (`Llama.feature_layers`; () = the last)."""
+    if self.features != "last" and not self.reads_fused:
+      raise ValueError(f"{self.name} drafters read the last layer's features only "
+                       f"(features='last'), got features={self.features!r}")
+    return parse_features(self.features, self.target_config.num_layers)
+
+  @property
+  def feature_streams(self) -> int:
+    """How many target streams the first draft step fuses (1: the final norm's output)."""
+    return max(1, len(self.feature_layers))
+
+  @property
+  def training_feature_layers(self) -> tuple[int, ...]:
+    """The streams training reads: with fused ones also the final norm's output (-1),
+    which the losses predict and score through the target's lm_head."""
+    return self.feature_layers + (-1,) if self.feature_layers else ()
+
+  def training_batch(self, batch):
+    """A `TrainBatch` of `training_feature_layers` split into what the draft reads
+    (`features`: the fused streams) and what it predicts (`targets`: the final norm's
+    output at the next position); unchanged without fused streams."""
+    if not self.feature_layers:
+      return batch
+    width = len(self.feature_layers) * self.target_config.hidden_size
+    return batch.replace(features=batch.features[..., :width],
+                         targets=batch.targets[..., width:])
+
+  def draft_features(self, features):
+    """Stored / online training features `[..., F]` -> what the draft reads."""
+    if not self.feature_layers:
+      return features
+    return features[..., :len(self.feature_layers) * self.target_config.hidden_size]
 
   def module(self) -> nn.Module:
     raise NotImplementedError
@@ -191,6 +269,7 @@ class DraftHead:
     raise NotImplementedError
 
   def objective(self, params, head: TargetHead, batch, epoch, settings):
+    batch = self.training_batch(batch)
     outputs = self.unrolled_outputs(params, head, batch, settings)
     loss, terms = self.step_loss(outputs[0], batch, head, epoch, settings)
     return add_unrolled_losses(
@@ -235,6 +314,7 @@ class DraftHead:
 
   def validation_chain(self, params, head: TargetHead, input_ids, features):
     """Top-1 drafted tokens `[K, B, T]` for every start t (`train/metrics.py`)."""
+    features = self.draft_features(features)
     chain = Chain(self, params, head, input_ids, features, self.chain_steps())
     hidden = chain.context()
     tokens = [chain.argmax(hidden)]

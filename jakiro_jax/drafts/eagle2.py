@@ -29,6 +29,7 @@ from jakiro_jax.drafts.losses import feature_losses
 class Eagle2Draft(nn.Module):
   config: LlamaConfig  # one-layer config
   fc_bias: bool = True
+  feature_streams: int = 1  # fused target streams (`fc_params`)
 
   @nn.compact
   def __call__(self, embeds, features, positions, cache: KVCache, mask):
@@ -48,10 +49,11 @@ class BeamState:
 class Eagle2Drafter(DraftHead):
   """Hashable description of an EAGLE-2 drafter (a static argument of the jitted loop)."""
   name: ClassVar[str] = "eagle2"
+  reads_fused: ClassVar[bool] = True
   torch_layout: ClassVar[tl.TorchLayout]  # set below the class
 
   def module(self) -> Eagle2Draft:
-    return Eagle2Draft(self.layer_config, self.fc_bias)
+    return Eagle2Draft(self.layer_config, self.fc_bias, self.feature_streams)
 
   def draft(self, inputs: RoundInputs) -> tuple[Tree, Any]:
     """(the round's tree under `root [B]`: the beam, then the EAGLE-2 rerank; the draft

@@ -70,6 +70,7 @@ class JakiroLayer(nn.Module):
 class JakiroDraft(nn.Module):
   config: LlamaConfig  # one-layer config
   fc_bias: bool = True
+  feature_streams: int = 1  # fused target streams (`fc_params`)
 
   @nn.compact
   def __call__(self, embeds, features, positions, cache, mask):
@@ -111,7 +112,7 @@ class JakiroDrafter(Eagle2Drafter):
       raise ValueError(f"Jakiro's hybrid step needs depth >= 2, got {self.tree.depth}")
 
   def module(self) -> JakiroDraft:
-    return JakiroDraft(self.layer_config, self.fc_bias)
+    return JakiroDraft(self.layer_config, self.fc_bias, self.feature_streams)
 
   def carry(self, output: JakiroOutput):
     return output.left

@@ -25,6 +25,7 @@ ENTRY_POINT_GROUP = "jakiro_jax.drafters"
 
 BUILTIN = {
     "eagle2": "jakiro_jax.drafts.eagle2:Eagle2Drafter",
+    "eagle3": "jakiro_jax.drafts.eagle3:Eagle3Drafter",
     "jakiro": "jakiro_jax.drafts.jakiro:JakiroDrafter",
     "jakiro_star": "jakiro_jax.drafts.jakiro_star:JakiroStarDrafter",
     "lookup": "jakiro_jax.drafts.lookup:LookupDrafter",
@@ -141,7 +142,8 @@ def default_blocks(tree_set: str = "small", **common) -> dict[str, dict]:
   """Every registered method's draft block (`config_block`'s schema) for a config's
   `drafts`: the method's `small_tree` (CPU-sized) or `papers_tree` (the paper's GPU
   tree) with its options, and the defaults of the options that may change at load time
-  (`inference_options`), so a flag like `--config.drafts.NAME.OPTION=...` can set them;
+  (`inference_options`), so a flag like `--config.drafts.NAME.OPTION=...` can set them,
+  and the target features of the methods that may read fused streams (`features`);
   `common` options (e.g. fc_bias) go to the methods that have them. The methods own
   these defaults; a config overrides what it needs."""
   if tree_set not in ("small", "papers"):
@@ -154,7 +156,10 @@ def default_blocks(tree_set: str = "small", **common) -> dict[str, dict]:
     block = {k: json_value(fields[k]) for k in cls.inference_options
              if fields.get(k, dataclasses.MISSING) not in (None, dataclasses.MISSING)}
     block.update({k: json_value(v) for k, v in options.items()})
-    block.update({k: v for k, v in common.items() if k in fields})
+    block.update({k: v for k, v in common.items()
+                  if k in fields and k not in getattr(cls, "fixed_options", ())})
+    if getattr(cls, "reads_fused", False):  # the target features it reads (training)
+      block["features"] = fields["features"]
     if tree is not None:
       block["tree"] = dataclasses.asdict(tree)
     blocks[name] = block

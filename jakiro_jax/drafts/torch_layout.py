@@ -141,6 +141,18 @@ class TorchLayout:
   normalize_keys: Callable[[Mapping], dict] = dict  # other spellings -> the on-disk names
   # (state, config.json, options, tree, where) -> (options, tree) for `make_drafter`
   read_options: Callable = one_layer_options
+  # A layout whose config.json is not the reference EConfig (nested, the draft's own RoPE)
+  # checks and reads it itself: (state, config.json, target config, options, tree,
+  # config path, weights path) -> (options, tree), in place of the target check and
+  # `read_options`.
+  read_config: Callable | None = None
+  # (drafter, dtype) -> config.json, in place of `reference_dir.reference_config`'s.
+  write_config: Callable | None = None
+  # Other layouts an export can write: name -> (drafter, state, config) -> (state, config),
+  # from this layout's state dict and config.json.
+  variants: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+  stores_draft_vocab: bool = False  # the layout holds the draft vocabulary (EAGLE-3's d2t)
+  import_options: tuple[str, ...] = ()  # what `read_config` takes besides drafter options
 
 
 def layout_of(drafter) -> TorchLayout:
@@ -164,7 +176,7 @@ def to_reference_state_dict(drafter, params: Mapping, embedding=None) -> dict[st
   `embedding [V, D]` (the target's) is added as `embed_tokens.weight` when given; a layout
   with `embedding_required` needs it.
   """
-  check_reference_compatible(drafter.target_config)
+  check_reference_compatible(drafter.layer_config)  # the draft's layer (its RoPE may be its own)
   layout = layout_of(drafter)
   state = layout.to_reference(drafter, params["params"])
   cfg = drafter.target_config
@@ -217,6 +229,12 @@ def from_reference_state_dict(drafter, state: Mapping, dtype: str | None = None)
   state = {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
   check_state_dict(drafter, state)
   dtype = dtype or drafter.target_config.dtype
-  if dtype != "bfloat16":
-    state = {k: np.asarray(v).astype(dtype) for k, v in state.items()}
+  if dtype != "bfloat16":  # weights only: index tensors (EAGLE-3's d2t, t2d) keep theirs
+    state = {k: np.asarray(v).astype(dtype) if is_weight(v) else np.asarray(v)
+             for k, v in state.items()}
   return {"params": layout_of(drafter).from_reference(drafter, state)}
+
+
+def is_weight(array) -> bool:
+  """Weights (any float, bfloat16 too), not index tensors (integers, booleans)."""
+  return np.asarray(array).dtype.kind not in "biu"

@@ -45,7 +45,9 @@ def reference_config(drafter, dtype: str = "float32") -> dict:
   """The config.json of the original draft (EConfig fields + the extras its loader reads)."""
   cfg = drafter.target_config
   layout = tl.layout_of(drafter)
-  tl.check_reference_compatible(cfg)
+  tl.check_reference_compatible(drafter.layer_config)
+  if layout.write_config is not None:  # a layout with its own config.json (EAGLE-3)
+    return layout.write_config(drafter, DTYPES.get(dtype, dtype))
   layer = drafter.layer_config  # Jakiro*: RoPE base 10000 and no q/k/v bias, as it runs
   scaling = dict(cfg.rope_scaling or ())
   config = {
@@ -80,7 +82,7 @@ def reference_config(drafter, dtype: str = "float32") -> dict:
 
 def draft_vocab_warning(drafter) -> str | None:
   """What an export loses when the draft proposes from a token subset, else None."""
-  if not drafter.draft_vocab:
+  if not drafter.draft_vocab or tl.layout_of(drafter).stores_draft_vocab:
     return None
   return (f"this draft proposes tokens from a subset of {len(drafter.draft_vocab)} of the "
           f"{drafter.target_config.vocab_size} vocabulary ids (listed under "
@@ -91,11 +93,14 @@ def draft_vocab_warning(drafter) -> str | None:
 
 def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "float32",
                         formats: Iterable[str] | None = None,
-                        overwrite: bool = False, force: bool = False) -> list[str]:
+                        overwrite: bool = False, force: bool = False,
+                        variant: str | None = None) -> list[str]:
   """Writes config.json + weights the original code loads; returns the written paths.
 
   embedding `[V, D]`: the target's, stored as `embed_tokens.weight` (Gumiho needs it).
-  dtype: "float32" or "float16". formats: subset of ("bin", "safetensors").
+  dtype: "float32" or "float16" (weights; index tensors such as EAGLE-3's d2t and t2d keep
+  theirs). formats: subset of ("bin", "safetensors"). variant: another layout of the
+  method (its `TorchLayout.variants`, e.g. eagle3's "speculators"); None = the original's.
   Written all at once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused
   unless `overwrite`, and then replaced whole (an old `.bin` would be read first).
   """
@@ -106,13 +111,20 @@ def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "
   bad = [f for f in formats if f not in FORMATS]
   if bad:
     raise ValueError(f"unknown weight formats {bad}; available: {FORMATS}")
+  layout = tl.layout_of(drafter)
+  if variant is not None and variant not in layout.variants:
+    raise ValueError(f"{drafter.name} has no layout variant {variant!r}; available: "
+                     f"{sorted(layout.variants) or 'none'}")
   out_dir = check_destination(out_dir, overwrite, force=force)  # before the conversion
   torch = None
   if "bin" in formats:  # also before it: a missing torch fails fast
     torch = _import_torch(f"writing {BIN}", "pass --safetensors (no torch needed)")
   state = tl.to_reference_state_dict(drafter, params, embedding)
-  state = {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in state.items()}
+  state = {k: np.ascontiguousarray(np.asarray(v).astype(dtype) if tl.is_weight(v) else v)
+           for k, v in state.items()}
   config = reference_config(drafter, dtype)
+  if variant is not None:
+    state, config = layout.variants[variant](drafter, state, config)
   names = [n for f, n in (("bin", BIN), ("safetensors", SAFETENSORS)) if f in formats]
   with atomic_dir(out_dir, overwrite, force) as tmp:
     if torch is not None:
@@ -240,7 +252,9 @@ def read_reference_dir(src_dir, method: str, target, tree=None, **options):
 
   Validates config.json against the target and the weight names and shapes against the
   drafter (unknown, missing or mis-shaped keys are a ValueError listing them). The stored
-  `embed_tokens.weight` is checked against the target's and dropped.
+  `embed_tokens.weight` is checked against the target's and dropped. `options`: drafter
+  options that replace what the checkpoint says, and the layout's `import_options` (eagle3:
+  `layer_id_convention`, see `drafts/eagle3_layout.py`).
   """
   layout = registry.get(method).torch_layout
   if layout is None:
@@ -254,8 +268,12 @@ def read_reference_dir(src_dir, method: str, target, tree=None, **options):
   if found is not None and found != method:
     raise ValueError(f"{path} is a {found} checkpoint, not {method} (pass --format={found})")
   cfg = target.config
-  _check_config(config, cfg, config_path, layout.reference_rope_theta)
-  options, tree = layout.read_options(state, config, dict(options), tree, path)
+  if layout.read_config is not None:  # a layout that reads its own config.json (EAGLE-3)
+    options, tree = layout.read_config(state, config, cfg, dict(options), tree, config_path,
+                                       path)
+  else:
+    _check_config(config, cfg, config_path, layout.reference_rope_theta)
+    options, tree = layout.read_options(state, config, dict(options), tree, path)
   if config.get(DRAFT_VOCAB_KEY):  # written by our export: the subset the draft was made for
     options.setdefault("draft_vocab", tuple(int(t) for t in config[DRAFT_VOCAB_KEY]))
   drafter = registry.make_drafter(method, cfg, tree, **options)  # None: the default tree

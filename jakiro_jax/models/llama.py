@@ -194,12 +194,14 @@ class Attention(nn.Module):
   (`RMSNorm(deferred=True)`), applied to the q / k / v projections."""
   config: LlamaConfig
   layer: int
+  input_size: int | None = None  # the q / k / v input width; None = hidden_size
 
   @nn.compact
   def __call__(self, x, positions, cache: KVCache | None, mask, write=None,
                return_probs: bool = False, inv_rms=None):
     cfg = self.config
-    kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
+    kv, g, hd = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim
+    d = self.input_size or cfg.hidden_size
     qkv_w = weight_param(self, "qkv", (kv, g + 2, hd, d),
                     ("kv_heads", None, "head_dim", "embed"), cfg.dtype)
     qkv = scale_rows(matmul_out_in(x, qkv_w, in_dims=1), inv_rms)  # [B, T, K, C, H]
@@ -350,8 +352,26 @@ def _update_scales(gate, x):
   return (lambda u: gate[..., 0, None] * u), (lambda u: gate[..., 1, None] * u)
 
 
+def check_feature_layers(config: LlamaConfig, layers: Sequence[int]) -> tuple[int, ...]:
+  """`layers` as a tuple after checking each is a residual stream the target has: 0..L
+  (i < L: the stream entering layer i; L: the last layer's output, before the final
+  norm), or -1 (the final norm's output)."""
+  layers = tuple(int(i) for i in layers)
+  bad = [i for i in layers if not -1 <= i <= config.num_layers]
+  if bad:
+    raise ValueError(f"feature layers {bad} are not residual streams of a "
+                     f"{config.num_layers}-layer target (0..{config.num_layers})")
+  return layers
+
+
 class Llama(nn.Module):
+  """`feature_layers` chooses the `features` a forward returns: () the final norm's
+  output `[B, T, D]` (what EAGLE-2-style drafts read); otherwise the residual streams
+  entering those layers, concatenated in the given order `[B, T, len * D]` (EAGLE-3 reads
+  layers 2, L//2 and L-3; L is the last layer's output before the final norm, -1 the
+  final norm's output). They are taken inside the same forward: no second pass."""
   config: LlamaConfig
+  feature_layers: tuple[int, ...] = ()
 
   def setup(self):
     cfg = self.config
@@ -368,17 +388,30 @@ class Llama(nn.Module):
           (cfg.vocab_size, cfg.hidden_size), cfg.dtype)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-               mask: jax.Array, compute_logits: bool = True):
+               mask: jax.Array, compute_logits: bool = True,
+               logits_at: jax.Array | None = None):
     """tokens, positions `[B, T]` int32; mask `[B, T, S]` bool, or `[B, T, S']` to attend
-    to the first S' slots only.
+    to the first S' slots only. `logits_at [B]`: the logits of that position of each row
+    only (`[B, V]`; a prefill's last prompt token).
 
-    Returns `(logits [B, T, V] or None, features [B, T, D], cache)`.
+    Returns `(logits [B, T, V], [B, V] or None, features [B, T, D or len(feature_layers)
+    * D], cache)`.
     """
     x = self.embed(tokens)
-    for layer in self.layers:
+    taken = {}
+    for i, layer in enumerate(self.layers):
+      if i in self.feature_layers:
+        taken[i] = x
       x, cache = layer(x, positions, cache, mask)
-    features = self.final_norm(x)
-    logits = self.logits(features) if compute_logits else None
+    taken[len(self.layers)] = x
+    normed = self.final_norm(x)
+    taken[-1] = normed
+    features = (jnp.concatenate([taken[i] for i in self.feature_layers], axis=-1)
+                if self.feature_layers else normed)
+    if logits_at is not None:
+      logits = self.logits(normed[jnp.arange(normed.shape[0]), logits_at])
+    else:
+      logits = self.logits(normed) if compute_logits else None
     return logits, features, cache
 
   def embed(self, tokens: jax.Array) -> jax.Array:

@@ -46,18 +46,17 @@ def prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
             cache: KVCache):
   """Runs right-padded prompts `[B, P]` through the target.
 
-  Returns `(logits [B, V] at each row's last prompt token, features [B, P, D], cache)`
-  with `cache.lengths = prompt_lengths`.
+  Returns `(logits [B, V] at each row's last prompt token, features [B, P, D] (the
+  model's `feature_layers`: `[B, P, len * D]`), cache)` with `cache.lengths =
+  prompt_lengths`.
   """
   batch, prompt_len = prompt.shape
   cache = cache.replace(lengths=jnp.zeros((batch,), jnp.int32))
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompt.shape)
   # The cache is empty: the prompt attends to its own P slots only.
   mask = causal_mask(cache.lengths, prompt_len, prompt_len)
-  _, features, cache = model.apply(params, prompt, positions, cache, mask,
-                                   compute_logits=False)
-  last = features[jnp.arange(batch), prompt_lengths - 1]  # [B, D]
-  logits = model.apply(params, last, method=Llama.logits)
+  logits, features, cache = model.apply(params, prompt, positions, cache, mask,
+                                        logits_at=prompt_lengths - 1)
   return logits, features, cache.replace(lengths=prompt_lengths)
 
 

@@ -75,14 +75,36 @@ class RoundInputs(NamedTuple):
   rng: jax.Array
 
 
+def feature_layers_of(drafter) -> tuple[int, ...]:
+  """The target residual streams a drafter reads (`GenerationDrafter.feature_layers`);
+  () = the final norm's output, which a drafter without the member reads."""
+  return tuple(getattr(drafter, "feature_layers", ()) or ())
+
+
+def training_feature_layers_of(drafter) -> tuple[int, ...]:
+  """The target streams a drafter trains on (`training_feature_layers`, e.g. its
+  `feature_layers` plus -1, the final norm's output, for a loss on the target's
+  distribution); its `feature_layers` without the member."""
+  layers = getattr(drafter, "training_feature_layers", None)
+  return feature_layers_of(drafter) if layers is None else tuple(layers)
+
+
+def feature_width(drafter, config: LlamaConfig) -> int:
+  """The last axis of the target features a drafter reads."""
+  return config.hidden_size * max(1, len(feature_layers_of(drafter)))
+
+
 class GenerationDrafter(Protocol):
   """The generation role: what `generate` and the round timings call.
 
     name, target_config, tree, draft_vocab   identity and the verify pass's size
+    feature_layers                           the target's residual streams it reads
+                                             (`models.llama.Llama`); () = the final
+                                             norm's output (optional member)
     init_params(rng) / init_boxed(rng)       params (boxed: logical axes for sharding)
     new_cache(batch, max_len)                the draft's own cache (lengths [B], replace())
     extra_cache_slots()                      slots a round uses past the committed context
-    forward(params, head, tokens [B,T], features [B,T,D], positions [B,T], cache,
+    forward(params, head, tokens [B,T], features [B,T,F], positions [B,T], cache,
             mask [B,T,S]) -> (output, cache)  one output pytree type per method
     carry(output)                            what a round starts from
     draft(RoundInputs) -> (Tree, draft cache)

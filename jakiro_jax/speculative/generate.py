@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
+from jakiro_jax.speculative.drafter import RoundInputs, TargetHead, feature_layers_of
 from jakiro_jax.models.kv_cache import KVCache, causal_mask, tree_mask
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, new_cache
@@ -122,7 +122,7 @@ def speculative_round(s: SpecState, target_params, draft_params, budgets: jax.Ar
   """One round of the loop: draft a tree, verify it, commit the accepted path, feed the
   draft. budgets `[B]`; `rng` the loop's key (the round folds in its index); `head`
   (`drafting_head`), built once by the loop, else here."""
-  model = Llama(target_config)
+  model = Llama(target_config, feature_layers_of(drafter))
   if head is None:
     head = drafting_head(target_config, target_params, drafter)
   batch = s.root.shape[0]
@@ -186,7 +186,7 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
   The target runs with `target_config` (the target's own), never the drafter's
   `target_config`: a drafter built for another config would otherwise change the target.
   """
-  model = Llama(target_config)
+  model = Llama(target_config, feature_layers_of(drafter))
   head = drafting_head(target_config, target_params, drafter)  # outside the while loop
   batch = prompt.shape[0]
   rows = jnp.arange(batch)
@@ -282,6 +282,10 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
   """
   check_draft_fits(target, drafter, draft_params)
   prefill_fn = check_prefill_fn(prefill_fn, mesh)
+  if prefill_fn is not None and feature_layers_of(drafter):
+    raise ValueError(f"a custom prefill returns the final norm's features only; the "
+                     f"{drafter.name} drafter reads target layers "
+                     f"{list(feature_layers_of(drafter))}")
   target_extra = drafter.tree.total_tokens
   draft_extra = drafter.extra_cache_slots()
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
@@ -342,6 +346,10 @@ def check_draft_fits(target, drafter, draft_params: Any) -> None:
       raise ValueError(f"draft {label} {getattr(ours, field)} does not match the target's "
                        f"{getattr(theirs, field)} (the drafter's target_config.{field}): it "
                        f"was built for another target config")
+  layers = feature_layers_of(drafter)
+  if layers and ours.num_layers != theirs.num_layers:
+    raise ValueError(f"the draft reads layers {list(layers)} of a {ours.num_layers}-layer "
+                     f"target; this target has {theirs.num_layers} layers")
   # llama3 / YaRN scaling may read it (the original context, YaRN's factor).
   if (theirs.rope_type in ("llama3", "yarn")
       and ours.max_position_embeddings != theirs.max_position_embeddings):

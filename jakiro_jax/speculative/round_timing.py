@@ -14,6 +14,7 @@ import numpy as np
 
 from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.models.llama import Llama, new_cache
+from jakiro_jax.speculative.drafter import feature_layers_of, feature_width
 from jakiro_jax.speculative.generate import (check_draft_fits, draft_context, draft_tree,
                                              drafting_head, verify_tree)
 from jakiro_jax.speculative.sampling import SamplingConfig
@@ -113,7 +114,8 @@ def round_split(target, drafter, draft_params, context_len: int,
 
   def draft_part(draft_params, head, cache):
     tokens = jnp.ones((1, width), jnp.int32)
-    features = jnp.zeros((1, width, target.config.hidden_size), target.config.dtype)
+    features = jnp.zeros((1, width, feature_width(drafter, target.config)),
+                         target.config.dtype)
     count = jnp.array([width], jnp.int32)
     root_hidden, cache = draft_context(drafter, draft_params, head, tokens, features, count,
                                        cache)
@@ -126,7 +128,7 @@ def round_split(target, drafter, draft_params, context_len: int,
   head = drafting_head(target.config, target.params, drafter)  # once, as `generate` does
   tree = draft_jit(draft_params, head, draft_cache)
 
-  model = Llama(target.config)
+  model = Llama(target.config, feature_layers_of(drafter))
 
   def verify_part(target_params, tree, cache):
     result, _, _ = verify_tree(model, target_params, drafter, tree, cache, sampling,

@@ -7,10 +7,13 @@ On disk a feature set is a directory:
   shard_00001/ ...
 
 Each row is one conversation: `prompt_index` (line in the prompt file), `input_ids [L]`
-int32, `loss_mask [L]` int8 (1 on assistant tokens), `features [L, D]` float16 (the
-target's post-final-norm hidden states, the lm_head input). Shards are written under a
-temporary name and renamed into place, so a killed run leaves only whole shards and a
-restart continues with the first missing one.
+int32, `loss_mask [L]` int8 (1 on assistant tokens), `features [L, F]` float16: the
+target's post-final-norm hidden states (F = D, the lm_head input), or, when meta.json
+names `feature_layers` (the streams a method trains on, e.g. EAGLE-3's three layers and
+-1, the final norm's output; `models.llama.Llama`), those streams concatenated in that
+order (F = len * D). A set without the key (every set made before it existed) holds the
+final norm's output. Shards are written under a temporary name and renamed into place, so
+a killed run leaves only whole shards and a restart continues with the first missing one.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ import numpy as np
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
 _SHARD_RE = re.compile(r"^shard_(\d{5})$")
+
+
+def stored_feature_layers(meta: Mapping) -> tuple[int, ...]:
+  """The target streams a feature set's rows hold (`Llama.feature_layers`); () = the
+  final norm's output, as every set without the key holds."""
+  return tuple(int(i) for i in meta.get("feature_layers") or ())
 
 
 def feature_schema(hidden_size: int):
@@ -86,7 +95,8 @@ def completed_shards(out_dir) -> list[int]:
 
 
 def write_shard(out_dir, index: int, rows: Sequence[Mapping], hidden_size: int) -> str:
-  """Writes rows (dicts with the schema's columns) as shard `index`, atomically."""
+  """Writes rows (dicts with the schema's columns) as shard `index`, atomically.
+  `hidden_size` is the features' width F (len(feature_layers) * D with layers)."""
   import datasets
 
   final = shard_dir(out_dir, index)

@@ -8,6 +8,12 @@ questions are dropped (`prompt_mix.clean_prompts`). The prompts, in a seeded ran
 are cut into shards of `shard_size`; each shard is generated with seeds derived from
 (seed, s) only, so a resumed run produces the same shards as an uninterrupted one.
 `mix.json` records what went in: sources, self-prompt kinds, drops, answers per prompt.
+
+The stored features are the final norm's output `[L, D]` (what EAGLE-2, Jakiro and Gumiho
+train on), or, with `feature_layers` (a method's `training_feature_layers`, e.g.
+EAGLE-3's three fused streams and -1, the final norm's output), those target streams
+concatenated `[L, len * D]`, named in meta.json so that training can check them
+(`data.stored_feature_layers`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from jakiro_jax.atomic_dir import write_json
+from jakiro_jax.models.llama import check_feature_layers
 from jakiro_jax.speculative.autoregressive import generate_ar
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.train import data, prompt_mix
@@ -75,6 +82,9 @@ class GenDataSettings:
   # Kinds of task the self-written prompts are steered to (`prompt_mix.SELF_PROMPT_KINDS`);
   # () lets the target write freely from the chat template's user prefix.
   self_prompt_kinds: tuple[str, ...] = ()
+  # The target streams stored per position (`models.llama.Llama.feature_layers`): () the
+  # final norm's output; a method's `training_feature_layers` (`feature_layers_for`).
+  feature_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.responses not in ("regenerate", "file"):
@@ -91,12 +101,30 @@ class GenDataSettings:
       raise ValueError(f"sample_temperatures must be in (0, 2], got "
                        f"{list(self.sample_temperatures)}")
     prompt_mix.check_kinds(self.self_prompt_kinds)
+    object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+    if len(set(self.feature_layers)) != len(self.feature_layers):
+      raise ValueError(f"feature_layers repeat a layer: {list(self.feature_layers)}")
 
   def answer_temperature(self, variant: int) -> float:
     """Answer 0 is the main one; answer v >= 1 is sampled."""
     if variant == 0:
       return self.temperature
     return self.sample_temperatures[(variant - 1) % len(self.sample_temperatures)]
+
+
+def feature_layers_for(config, method: str, target_config) -> tuple[int, ...]:
+  """The target streams `method` trains on (its drafter's `training_feature_layers`, from
+  the config's draft block for it): what a feature set for that method stores."""
+  from jakiro_jax.drafts import registry
+  from jakiro_jax.speculative.drafter import training_feature_layers_of
+
+  drafter = registry.drafter_from_config(config, method, target_config)
+  return training_feature_layers_of(drafter)
+
+
+def feature_width(settings: GenDataSettings, hidden_size: int) -> int:
+  """The stored features' last axis: D, or len(feature_layers) * D."""
+  return hidden_size * max(1, len(settings.feature_layers))
 
 
 def _messages(system, user, assistant=None):
@@ -255,7 +283,7 @@ def make_shard(target, prompts: Sequence[str], shard: int, settings: GenDataSett
                                    settings.batch_size):
     members = [order[j] for j in group]
     feats = target_features(target, [conversations[k][0] for k in members],
-                            settings.batch_size)
+                            settings.batch_size, feature_layers=settings.feature_layers)
     for key, f in zip(members, feats):
       ids, mask = conversations[key]
       rows.append({"prompt_index": key[0], "answer": key[1], "input_ids": ids,
@@ -294,9 +322,15 @@ def make_feature_set(target, prompts: Sequence[str], out_dir, settings: GenDataS
   if settings.self_prompt_kinds and not self_prompts:
     raise ValueError("self_prompt_kinds steer self-written prompts; ask for some with "
                      "self_prompts > 0")
+  check_feature_layers(target.config, settings.feature_layers)
   settings_meta = dataclasses.asdict(settings)
   settings_meta["sample_temperatures"] = list(settings.sample_temperatures)
   settings_meta["self_prompt_kinds"] = list(settings.self_prompt_kinds)
+  # Named only when not the final norm's output: a set made before the key existed
+  # (which holds that) continues with the same meta.json.
+  settings_meta.pop("feature_layers")
+  if settings.feature_layers:
+    settings_meta["feature_layers"] = list(settings.feature_layers)
   meta = dict(extra_meta or {}, target=target.name,
               hidden_size=target.config.hidden_size, vocab_size=target.config.vocab_size,
               chat_template=getattr(target.tokenizer, "chat_template", None),
@@ -329,7 +363,8 @@ def make_feature_set(target, prompts: Sequence[str], out_dir, settings: GenDataS
       rows, shard_skipped = make_shard(target, chosen, shard, settings, chosen_records)
       for r in rows:
         r["prompt_index"] = kept[r["prompt_index"]]
-      data.write_shard(out_dir, shard, rows, target.config.hidden_size)
+      data.write_shard(out_dir, shard, rows,
+                       feature_width(settings, target.config.hidden_size))
       tokens_made += sum(len(r["input_ids"]) for r in rows)
       skipped += shard_skipped
       bar.set_postfix(tokens_per_s=f"{tokens_made / (time.perf_counter() - start):.0f}",

@@ -34,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jakiro_jax.drafts.base import head_argmax
-from jakiro_jax.speculative.drafter import TargetHead
+from jakiro_jax.speculative.drafter import TargetHead, training_feature_layers_of
 from jakiro_jax.train.collate import shift_for_training
+from jakiro_jax.train.features import final_norm_part
 
 
 def _ahead(x: jax.Array, k: int, fill=0) -> jax.Array:
@@ -68,13 +69,16 @@ def acceptance_counts(params, head: TargetHead, input_ids, features, loss_mask, 
                       drafter):
   """(hits `[K]`, trials `[K]`) int32 for one batch; alpha_k = hits_k / trials_k.
 
-  input_ids `[B, T]`, features `[B, T, D]`, loss_mask `[B, T]` are the unshifted padded
-  arrays of `collate.pad_rows`; `head` binds the full target lm_head.
+  input_ids `[B, T]`, features `[B, T, F]` (the drafter's `training_feature_layers`;
+  F = D: the final norm's output), loss_mask `[B, T]` are the unshifted padded arrays of
+  `collate.pad_rows`; `head` binds the full target lm_head.
   """
   batch = shift_for_training(input_ids, features, loss_mask, lengths)
   drafted = drafter.validation_chain(params, head, batch.input_ids,
                                      batch.features)  # [K, B, T]
-  greedy = head_argmax(batch.features, head.lm_head)
+  final = final_norm_part(batch.features, training_feature_layers_of(drafter),
+                          head.lm_head.shape[-1])
+  greedy = head_argmax(final, head.lm_head)
   return count_acceptance(drafted, greedy, batch.input_ids, batch.loss_mask)
 
 

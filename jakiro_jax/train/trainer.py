@@ -9,11 +9,24 @@ resumed from its last checkpoint ends with the same bits as an uninterrupted one
 
 Output directory:
   checkpoints/<step>/   orbax: {params, opt_state, step, rng} + JSON meta (data position,
-                        settings, the vocab subset's token ids)
+                        settings, the vocab subset's and the draft vocabulary's token ids)
   config.json           the config of the run
   vocab_subset.json     the token ids of the CPU-budget head (vocab_subset > 0), for people
+  draft_vocab.json      the draft vocabulary's token ids (draft_vocab_size > 0), for people
   metrics.jsonl, tb/    train/eval scalars (JSON lines, TensorBoard via tensorboardX)
   draft/                the final draft in our own format (`drafts.io.load_draft`)
+
+Features: the stored mode reads a feature set's features, which must be the target
+streams the method trains on (`training_feature_layers`: the final norm's output for
+most methods, EAGLE-3's fused layers and the final norm's for eagle3; meta.json's
+`feature_layers`, `launch.gen_data --method`); the online mode computes them in the
+step and reads only the set's tokens and loss masks, whatever features it holds.
+
+Draft vocabulary (`draft_vocab_size = K > 0`): the K token ids most frequent among the
+training split's loss-masked (answer) tokens, sorted ascending, become the drafter's
+`draft_vocab` before its params are initialised (EAGLE-3's own lm_head has K rows);
+checkpoints and the final draft (draft.json) keep them, and a resume takes the
+checkpoint's.
 
 Devices: a (data, fsdp, tensor) mesh (`config.mesh_data/mesh_fsdp/mesh_tensor`, -1 = the
 rest; default all devices on `data`). The draft params, their optimizer state and the
@@ -51,12 +64,14 @@ from jakiro_jax.train.collate import (bucket_length, pad_rows, shift_for_trainin
                                      uniform_noise)
 from jakiro_jax.train.data_order import DataOrder, split_rows
 from jakiro_jax.drafts.losses import LossSettings, config_fields
-from jakiro_jax.train.vocab_subset import frequent_tokens, head_matrix, save_subset
+from jakiro_jax.train.vocab_subset import (DRAFT_VOCAB_FILE, frequent_tokens, head_matrix,
+                                           save_subset)
 from jakiro_jax.drafts.io import save_draft
 from jakiro_jax.target import load_target
 from jakiro_jax.train.checkpoints import TrainCheckpoints
-from jakiro_jax.train.data import load_feature_dataset
+from jakiro_jax.train.data import load_feature_dataset, stored_feature_layers
 from jakiro_jax.train.features import features_jit
+from jakiro_jax.speculative.drafter import training_feature_layers_of
 from jakiro_jax.train.metrics import acceptance_counts, summarize
 
 log = logging.getLogger(__name__)
@@ -70,6 +85,10 @@ RESUMABLE_CHANGES = ("log_every", "eval_every", "eval_rows", "save_every",
                      "keep_checkpoints", "progress", "tensorboard", "draft_vocab",
                      # the same maths on other devices: checkpoints restore onto any mesh
                      "mesh_data", "mesh_fsdp", "mesh_tensor")
+
+# Config keys added after runs were checkpointed without them, with the value those runs
+# had in effect: such a checkpoint resumes when the config keeps that value.
+ADDED_SETTINGS = {"draft_vocab_size": 0}
 
 
 def default_config(method: str | None = None) -> ml_collections.ConfigDict:
@@ -90,6 +109,10 @@ def default_config(method: str | None = None) -> ml_collections.ConfigDict:
   c.noise_std = 0.2
   c.vocab_subset = 0  # K > 0: losses over the K most frequent target tokens (CPU budget)
   c.draft_vocab = False  # True (with vocab_subset): the final draft drafts from that subset
+  # K > 0: the drafter's draft vocabulary, the K most frequent answer tokens of the train
+  # split, fixed before init (EAGLE-3's lm_head rows; others draft from it); 0 or >= the
+  # target's vocabulary: the whole vocabulary.
+  c.draft_vocab_size = 0
   # Optimisation: AdamW, linear warm-up then cosine decay, clipping.
   c.lr = 3e-4
   c.warmup_steps = 100
@@ -166,7 +189,8 @@ def step_loss(drafter, settings: StepSettings, params, batch: dict, target_param
   target_params = jax.lax.stop_gradient(target_params)
   if settings.online:
     features = jax.lax.stop_gradient(
-        features_jit(target_params, batch["input_ids"], config=drafter.target_config))
+        features_jit(target_params, batch["input_ids"], config=drafter.target_config,
+                     feature_layers=training_feature_layers_of(drafter)))
   else:
     features = batch["features"]
   shifted = shift_for_training(batch["input_ids"], features, batch["loss_mask"],
@@ -276,13 +300,16 @@ def _scan_columns(dataset):
   return prompt_index, lengths, table
 
 
-def _token_subset(table, train_rows, vocab_size: int, k: int, max_len: int) -> np.ndarray:
+def _token_subset(table, train_rows, vocab_size: int, k: int, max_len: int,
+                  what: str = "vocab_subset") -> np.ndarray:
+  """The k most frequent loss-masked (answer) token ids of the train rows, cut at
+  max_len as training cuts them; ascending (`vocab_subset.frequent_tokens`)."""
   import pyarrow as pa
 
   picked = table.take(pa.array(train_rows))
   ids = [np.asarray(x)[:max_len] for x in picked["input_ids"].to_numpy(zero_copy_only=False)]
   masks = [np.asarray(x)[:max_len] for x in picked["loss_mask"].to_numpy(zero_copy_only=False)]
-  return frequent_tokens(ids, masks, vocab_size, k)
+  return frequent_tokens(ids, masks, vocab_size, k, what)
 
 
 def _check_config(config) -> None:
@@ -298,6 +325,13 @@ def _check_config(config) -> None:
       raise TrainInputError(f"config.{name} must be >= 1, got {config[name]}")
   if config.num_steps < 0 or (config.num_steps == 0 and config.num_epochs <= 0):
     raise TrainInputError("set config.num_steps > 0 or config.num_epochs > 0")
+  if config.draft_vocab_size < 0:
+    raise TrainInputError(f"config.draft_vocab_size must be >= 0 (0: the whole "
+                          f"vocabulary), got {config.draft_vocab_size}")
+  if config.draft_vocab_size and config.draft_vocab and config.vocab_subset:
+    raise TrainInputError("config.draft_vocab=True drafts from the vocab_subset tokens and "
+                          "config.draft_vocab_size picks a draft vocabulary of its own; "
+                          "set one of them")
 
 
 def loss_settings(config, drafter) -> LossSettings:
@@ -350,15 +384,23 @@ def _load_inputs(config, data_dir) -> _Inputs:
       raise TrainInputError(f"feature set {data_dir} was made for {field}={meta.get(field)} "
                        f"(target {meta.get('target')!r}) but target {config.target!r} has "
                        f"{field}={ours}")
-  try:
-    drafter = registry.drafter_from_config(config, config.method, target.config)
-  except (TypeError, ValueError) as e:
-    raise TrainInputError(f"config.drafts.{config.method}: {e}") from None
+  drafter = _make_drafter(config, target.config)
   if not registry.has_params(drafter):
     raise TrainInputError(f"method {config.method!r} has no parameters to train")
   loss_settings(config, drafter)
+  _check_features(config, drafter, meta, data_dir)
+  _check_head(config, drafter)
   prompt_index, lengths, table = _scan_columns(dataset)
   train_rows, val_rows = split_rows(prompt_index, config.val_fraction)
+  vocab_size = target.config.vocab_size
+  if 0 < config.draft_vocab_size < vocab_size:
+    if drafter.draft_vocab:
+      raise TrainInputError(f"config.drafts.{config.method}.draft_vocab names a draft "
+                            f"vocabulary and config.draft_vocab_size asks for one from the "
+                            f"data; set one of them")
+    draft_vocab = _token_subset(table, train_rows, vocab_size, config.draft_vocab_size,
+                                config.max_len, "draft_vocab_size")
+    drafter = _make_drafter(config, target.config, draft_vocab)
   order = DataOrder(train_rows, np.minimum(lengths[train_rows], config.max_len),
                     config.batch_size, config.seed, config.group_by_length)
   if config.online:  # features come from the target; never read them from disk
@@ -366,11 +408,48 @@ def _load_inputs(config, data_dir) -> _Inputs:
   return _Inputs(dataset, table, target, drafter, train_rows, val_rows, order, lengths)
 
 
+def _make_drafter(config, target_config, draft_vocab=None):
+  """The drafter of the config's method (its draft block), with `draft_vocab` (token ids)
+  when given."""
+  overrides = {} if draft_vocab is None else {"draft_vocab": tuple(int(i) for i in draft_vocab)}
+  try:
+    return registry.drafter_from_config(config, config.method, target_config, **overrides)
+  except (TypeError, ValueError) as e:
+    raise TrainInputError(f"config.drafts.{config.method}: {e}") from None
+
+
+def _check_features(config, drafter, meta, data_dir) -> None:
+  """In the stored mode the feature set must hold the streams the drafter trains on
+  (`training_feature_layers`); the online mode computes them and reads none."""
+  if config.online:
+    return
+  stored, wanted = stored_feature_layers(meta), training_feature_layers_of(drafter)
+  if stored != wanted:
+    def name(layers):
+      return f"target layers {list(layers)}" if layers else "the target's final norm output"
+    raise TrainInputError(
+        f"feature set {data_dir} holds {name(stored)} but {config.method} "
+        f"trains on {name(wanted)}; make one with `python -m launch.gen_data "
+        f"--method={config.method}` or train with --config.online=True")
+
+
+def _check_head(config, drafter) -> None:
+  """A drafter with its own lm_head (`draft_logits`: EAGLE-3) scores its loss against
+  the target's whole distribution; the CPU-budget head subset does not apply."""
+  if config.vocab_subset and hasattr(drafter, "draft_logits"):
+    raise TrainInputError(
+        f"{config.method} trains its own lm_head against the target's whole lm_head: set "
+        f"vocab_subset=0 (draft_vocab_size={config.draft_vocab_size} sets its own head's "
+        f"rows)")
+
+
 def _restore(checkpoints, step: int, abstract, fingerprint: dict, order: DataOrder):
-  """(state, vocab subset or None) of checkpoint `step`, refusing changed settings."""
+  """(state, vocab subset or None, draft vocabulary or None) of checkpoint `step`,
+  refusing changed settings."""
   state, saved = checkpoints.restore(step, abstract)
-  changed = sorted(k for k in set(saved["settings"]) | set(fingerprint)
-                   if saved["settings"].get(k) != fingerprint.get(k))
+  settings = dict(ADDED_SETTINGS, **saved["settings"])  # runs from before a key existed
+  changed = sorted(k for k in set(settings) | set(fingerprint)
+                   if settings.get(k) != fingerprint.get(k))
   if changed:
     raise TrainInputError(f"cannot resume {checkpoints.directory}: settings changed since the "
                      f"checkpoint ({', '.join(changed)}); only "
@@ -379,7 +458,9 @@ def _restore(checkpoints, step: int, abstract, fingerprint: dict, order: DataOrd
     raise TrainInputError(f"checkpoint {step} in {checkpoints.directory} is inconsistent (step "
                      f"{int(state['step'])}, position {saved['position']})")
   subset = saved.get("vocab_subset")
-  return state, None if subset is None else np.asarray(subset, np.int32)
+  draft_vocab = saved.get("draft_vocab")  # absent from checkpoints made before it
+  return (state, None if subset is None else np.asarray(subset, np.int32),
+          None if draft_vocab is None else tuple(int(i) for i in draft_vocab))
 
 
 def _evaluate(batches, params, target_params, head: TargetHead, drafter, online: bool,
@@ -388,7 +469,8 @@ def _evaluate(batches, params, target_params, head: TargetHead, drafter, online:
   hits = trials = 0
   for batch in batches:
     batch = jax.device_put(batch, batch_placement)
-    features = (features_jit(target_params, batch["input_ids"], config=drafter.target_config)
+    features = (features_jit(target_params, batch["input_ids"], config=drafter.target_config,
+                     feature_layers=training_feature_layers_of(drafter))
                 if online else batch["features"])
     h, t = acceptance_counts(params, head, batch["input_ids"], features, batch["loss_mask"],
                              batch["lengths"], drafter=drafter)
@@ -491,7 +573,8 @@ def _initial_state(drafter, tx, seed: int) -> dict:
 
 
 def _restore_newest(run: _Run, checkpoints, notices: list[str]):
-  """(state, subset, step) of the newest checkpoint that restores intact, or None.
+  """(state, subset, draft vocabulary, step) of the newest checkpoint that restores
+  intact, or None.
 
   A checkpoint that fails to restore or to match its checksums (a preempted copy, a full
   disk) is reported in one line and set aside; changed settings are still an error."""
@@ -502,7 +585,8 @@ def _restore_newest(run: _Run, checkpoints, notices: list[str]):
   for step in steps:
     failure = None
     try:
-      state, subset = _restore(checkpoints, step, abstract, run.fingerprint, run.inputs.order)
+      state, subset, draft_vocab = _restore(checkpoints, step, abstract, run.fingerprint,
+                                            run.inputs.order)
     except TrainInputError:
       raise
     except Exception as e:  # orbax and tensorstore raise many kinds on damaged files
@@ -513,7 +597,7 @@ def _restore_newest(run: _Run, checkpoints, notices: list[str]):
       if failure is None and np.asarray(failed).any():
         failure = "another process could not restore its part"
     if failure is None:
-      return state, subset, step
+      return state, subset, draft_vocab, step
     moved = checkpoints.set_aside(step)
     notices.append(f"checkpoint {step} in {checkpoints.directory} is damaged ({failure}); "
                    f"set aside as {moved}")
@@ -524,10 +608,12 @@ def _restore_newest(run: _Run, checkpoints, notices: list[str]):
 
 
 def _start_state(run: _Run, checkpoints, resume: bool, notices: list[str]):
-  """(train state, vocab subset or None, first step): with `resume` the newest intact
-  checkpoint if there is one, else a fresh state at step 0 (`notices` gets a line per
-  damaged checkpoint). A subset the config asks for and the checkpoint lacks is computed
-  here (and saved for people)."""
+  """(run, train state, vocab subset or None, first step): with `resume` the newest
+  intact checkpoint if there is one, else a fresh state at step 0 (`notices` gets a line
+  per damaged checkpoint). A subset the config asks for and the checkpoint lacks is
+  computed here (and saved for people). A restored draft vocabulary replaces the one the
+  data gave (the same unless the feature set changed): the run returned has the drafter
+  that continues exactly."""
   config, inputs = run.config, run.inputs
   restored = _restore_newest(run, checkpoints, notices) if resume else None
   if restored is None:
@@ -535,14 +621,23 @@ def _start_state(run: _Run, checkpoints, resume: bool, notices: list[str]):
                     out_shardings=run.state_sharding)()
     subset, start = None, 0
   else:
-    state, subset, start = restored
+    state, subset, draft_vocab, start = restored
+    if draft_vocab is not None and draft_vocab != tuple(inputs.drafter.draft_vocab):
+      # the same size (the settings match): the params' shapes do not change
+      notices.append(f"the feature set's answers now give another draft vocabulary; "
+                     f"keeping checkpoint {start}'s")
+      inputs = dataclasses.replace(
+          inputs, drafter=_make_drafter(config, inputs.drafter.target_config, draft_vocab))
+      run = dataclasses.replace(run, inputs=inputs)
+  if run.is_writer and inputs.drafter.draft_vocab and config.draft_vocab_size:
+    save_subset(run.out_dir, np.asarray(inputs.drafter.draft_vocab), DRAFT_VOCAB_FILE)
   if config.vocab_subset and subset is None:
     # Computed once per run; saved with every checkpoint (and as a json for people).
     subset = _token_subset(inputs.table, inputs.train_rows, inputs.target.config.vocab_size,
                            config.vocab_subset, config.max_len)
     if run.is_writer:
       save_subset(run.out_dir, subset)
-  return state, subset, start
+  return run, state, subset, start
 
 
 def _make_heads(run: _Run, subset) -> tuple[TargetHead, TargetHead]:
@@ -621,7 +716,8 @@ def _save_checkpoint(run: _Run, checkpoints, state, step: int, subset) -> None:
       "step": step, "position": [epoch, index], "seed": run.config.seed,
       "rng": [int(x) for x in np.asarray(jax.device_get(state["rng"]))],
       "steps_per_epoch": run.inputs.order.steps_per_epoch, "settings": run.fingerprint,
-      "vocab_subset": None if subset is None else [int(i) for i in subset]})
+      "vocab_subset": None if subset is None else [int(i) for i in subset],
+      "draft_vocab": [int(i) for i in run.inputs.drafter.draft_vocab]})
 
 
 def _window_values(window_metrics: list, window_tokens: int, window_start: float,
@@ -648,6 +744,8 @@ def _run_line(run: _Run, subset, start: int) -> str:
           f"{mesh.size} device(s) (mesh {dict(mesh.shape)}), "
           f"{'online' if config.online else 'stored'} features, "
           f"head {'full' if subset is None else f'{len(subset)} tokens'}"
+          + (f", draft vocabulary {len(inputs.drafter.draft_vocab)} tokens"
+             if inputs.drafter.draft_vocab else "")
           + (f"; resumed at step {start}" if start else ""))
 
 
@@ -733,7 +831,7 @@ def train(config, data_dir, out_dir, *, resume: bool = False, max_steps: int | N
   bar = logs = None
   try:
     notices = []
-    state, subset, start = _start_state(run, checkpoints, resume, notices)
+    run, state, subset, start = _start_state(run, checkpoints, resume, notices)
     full_head, train_head = _make_heads(run, subset)
     if run.is_writer:
       with open(os.path.join(out_dir, "config.json"), "w") as f:

@@ -7,6 +7,10 @@ most frequent among the loss-masked positions of the training split: both the ta
 distribution and the draft's log-probs are softmaxes over those K logits. This is a
 training-cost approximation only; params and checkpoints are unchanged and drafting
 still uses the full head.
+
+The same count picks a draft vocabulary (`trainer.default_config`'s `draft_vocab_size`):
+the K answer tokens a drafter proposes from (`draft_vocab`), fixed before its params are
+initialised, since a draft with its own lm_head (EAGLE-3) has one row per token.
 """
 
 from __future__ import annotations
@@ -20,16 +24,18 @@ import jax.numpy as jnp
 import numpy as np
 
 SUBSET_FILE = "vocab_subset.json"
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 def frequent_tokens(id_rows: Iterable[Sequence[int]], mask_rows: Iterable[Sequence[int]],
-                    vocab_size: int, k: int) -> np.ndarray:
+                    vocab_size: int, k: int, what: str = "vocab_subset") -> np.ndarray:
   """The `k` ids most frequent where the mask is 1, ties to the lower id; sorted ascending.
 
-  If fewer than k ids occur, the rest are the lowest ids that never occur.
+  If fewer than k ids occur, the rest are the lowest ids that never occur. `what` names
+  the setting in the error for a bad `k`.
   """
   if not 0 < k <= vocab_size:
-    raise ValueError(f"vocab_subset must be in [1, vocab_size={vocab_size}], got {k}")
+    raise ValueError(f"{what} must be in [1, vocab_size={vocab_size}], got {k}")
   counts = np.zeros((vocab_size,), np.int64)
   for ids, mask in zip(id_rows, mask_rows):
     ids = np.asarray(ids)
@@ -40,16 +46,17 @@ def frequent_tokens(id_rows: Iterable[Sequence[int]], mask_rows: Iterable[Sequen
   return np.sort(order[:k]).astype(np.int32)
 
 
-def save_subset(out_dir, subset: np.ndarray) -> None:
-  path = os.path.join(os.fspath(out_dir), SUBSET_FILE)
+def save_subset(out_dir, subset: np.ndarray, name: str = SUBSET_FILE) -> None:
+  """Writes the token ids as `name` (JSON: size, token_ids) in `out_dir`, atomically."""
+  path = os.path.join(os.fspath(out_dir), name)
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     json.dump({"size": int(len(subset)), "token_ids": [int(i) for i in subset]}, f)
   os.replace(tmp, path)
 
 
-def load_subset(out_dir) -> np.ndarray | None:
-  path = os.path.join(os.fspath(out_dir), SUBSET_FILE)
+def load_subset(out_dir, name: str = SUBSET_FILE) -> np.ndarray | None:
+  path = os.path.join(os.fspath(out_dir), name)
   if not os.path.exists(path):
     return None
   with open(path) as f:

@@ -1,0 +1,513 @@
+"""EAGLE-3 drafts and the public PyTorch layouts: the official one (SafeAILab EAGLE, SGLang,
+SpecForge, SpecJAX) and vLLM's speculators one (`jakiro_jax/drafts/eagle3_layout.py`).
+
+Checks: ours -> official -> ours is bit-identical and drafts the same tokens; hand-built
+speculators and SpecForge checkpoints land on the same drafter with the right target
+layers (their layer ids differ by one); d2t / t2d carry the draft vocabulary; checkpoints
+of another target are refused in one line; both weight files are read. With
+`EAGLE_REFERENCE_DIR` pointing at a SafeAILab/EAGLE checkout, the official `cnets.py`
+EAGLE-3 model fed the exported files matches our forward (`-m slow`).
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from drafters import registered_drafter
+from jakiro_jax.drafts import make_drafter
+from jakiro_jax.drafts.eagle3_layout import layer_ids_of
+from jakiro_jax.drafts.io import load_draft, save_draft
+from jakiro_jax.export import (read_reference_dir, to_reference_state_dict,
+                               write_reference_dir, write_target_hf_dir)
+from jakiro_jax.models import llama
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.models.kv_cache import causal_mask
+from jakiro_jax.speculative.drafter import TargetHead
+from jakiro_jax.speculative.generate import generate
+from jakiro_jax.speculative.tree import TreeConfig
+from jakiro_jax.target import Target
+
+torch = pytest.importorskip("torch")
+
+REFERENCE_ENV = "EAGLE_REFERENCE_DIR"  # a SafeAILab/EAGLE checkout (holds eagle/model/cnets.py)
+# An 8-layer target, so that layer ids 1..7 are distinct streams (default: 2, 4, 5).
+CFG8 = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layers=8,
+                   num_heads=6, num_kv_heads=2, head_dim=12, rope_theta=1000.0,
+                   rms_norm_eps=1e-5, max_position_embeddings=512)
+TREE = TreeConfig(top_k=2, depth=2, total_tokens=6)
+D, V, F = 72, 97, 88
+OFFICIAL = ["fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+            "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
+            "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+            "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+            "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight",
+            "lm_head.weight"]
+
+
+def _randomize(tree, seed):
+  rng = np.random.RandomState(seed)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  out = []
+  for path, leaf in leaves:
+    noise = rng.standard_normal(leaf.shape).astype(np.float32)
+    out.append(jnp.asarray(1.0 + 0.1 * noise if any("norm" in str(p) for p in path)
+                           else 0.08 * noise))
+  return jax.tree.unflatten(treedef, out)
+
+
+def _target(cfg, seed=0):
+  params = _randomize(llama.init_params(cfg, jax.random.PRNGKey(seed)), seed)
+  params["params"]["embed_tokens"]["embedding"] = params["params"]["embed_tokens"]["embedding"] * 10
+  return Target(cfg, params)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+  return tiny_pair[1]  # 2 layers: EAGLE-3's default streams clamp to (2, 1, 0)
+
+
+@pytest.fixture(scope="module")
+def deep_target():
+  return _target(CFG8)
+
+
+def _drafter(target, seed=0, **options):
+  """A drafter of `target` with every parameter random (lm_head sized to the subset)."""
+  drafter = make_drafter("eagle3", target.config, TREE, **options)
+  return drafter, _randomize(drafter.init_params(jax.random.PRNGKey(seed)), 100 + seed)
+
+
+def _embedding(target):
+  return np.asarray(target.params["params"]["embed_tokens"]["embedding"])
+
+
+def _write(path, state, config, fmt="safetensors"):
+  os.makedirs(path, exist_ok=True)
+  if fmt == "bin":
+    torch.save({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
+               os.path.join(path, "pytorch_model.bin"))
+  else:
+    from safetensors.numpy import save_file
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()},
+              os.path.join(path, "model.safetensors"))
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+
+
+def _same(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---- ours -> official -> ours ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["bin", "safetensors"])
+def test_official_round_trip_is_bit_identical(tmp_path, target, fmt):
+  drafter, params = registered_drafter("eagle3", target.config)
+  write_reference_dir(tmp_path, drafter, params, formats=[fmt])
+  weights = "pytorch_model.bin" if fmt == "bin" else "model.safetensors"
+  assert sorted(os.listdir(tmp_path)) == [".jakiro_jax_files.json", "config.json", weights]
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+  assert (config["draft_vocab_size"], config["vocab_size"]) == (V, V)
+  assert config["num_hidden_layers"] == 1
+  assert config["rope_theta"] == 10000.0 and config["rope_scaling"] is None  # not the target's 1000
+  assert "target_hidden_size" not in config  # the official loader would skip the embedding
+  # streams (0, 1, 2) ascending, written as SGLang's "output of layer i"
+  assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0, 1]
+  state = to_reference_state_dict(drafter, params)
+  assert sorted(state) == sorted(OFFICIAL)  # K == V: no d2t / t2d
+  assert state["midlayer.self_attn.q_proj.weight"].shape == (72, 2 * D)
+  assert state["midlayer.self_attn.k_proj.weight"].shape == (24, 2 * D)
+  assert state["fc.weight"].shape == (D, 3 * D)
+  # Default streams of a 2-layer target are (2, 1, 0): fc's blocks are stored ascending.
+  fc = np.asarray(params["params"]["fc"])
+  np.testing.assert_array_equal(state["fc.weight"][:, :D], fc[:, 2 * D:])
+  np.testing.assert_array_equal(state["fc.weight"][:, 2 * D:], fc[:, :D])
+  back, loaded = read_reference_dir(tmp_path, "eagle3", target, drafter.tree)
+  assert back == drafter and back.aux_layers == ()
+  _same(loaded, params)
+
+
+def test_imported_draft_loads_and_drafts_the_same_tokens(tmp_path, target):
+  drafter, params = registered_drafter("eagle3", target.config)
+  write_reference_dir(tmp_path / "ref", drafter, params)
+  imported, imported_params = read_reference_dir(tmp_path / "ref", "eagle3", target,
+                                                 drafter.tree)
+  save_draft(tmp_path / "ours", imported, imported_params)
+  loaded, loaded_params = load_draft(tmp_path / "ours", target)
+  assert loaded == drafter
+  _same(loaded_params, params)
+  prompts = [[1, 5, 6, 7, 8], [1, 9, 10]]
+  before = generate(target, drafter, params, prompts, max_new_tokens=10)
+  after = generate(target, loaded, loaded_params, prompts, max_new_tokens=10)
+  assert after.tokens == before.tokens and after.accept_lens == before.accept_lens
+
+
+@pytest.mark.parametrize("variant", [None, "speculators"])
+def test_toggles_rope_layers_and_vocabulary_round_trip(tmp_path, deep_target, variant):
+  subset = tuple(int(i) for i in np.sort(np.random.RandomState(1).choice(V, 40, replace=False)))
+  drafter, params = _drafter(deep_target, aux_layers=(6, 1, 4), draft_vocab=subset,
+                             rope_theta=500000.0, fc_norm=True, norm_before_residual=True,
+                             norm_output=True)
+  write_reference_dir(tmp_path, drafter, params, _embedding(deep_target), dtype="fp16",
+                      formats=["safetensors"], variant=variant)
+  config = json.loads((tmp_path / "config.json").read_text())
+  from safetensors.numpy import load_file
+  state = load_file(tmp_path / "model.safetensors")
+  prefix = "layers.0." if variant else "midlayer."
+  assert prefix + "hidden_norm.weight" in state and "fc_norm.2.weight" in state
+  assert state["d2t"].dtype == np.int64 and state["t2d"].dtype == bool  # not cast to fp16
+  assert state["fc.weight"].dtype == np.float16
+  if variant:
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]  # before layer i
+    assert config["transformer_layer_config"]["rope_theta"] == 500000.0
+    assert config["norm_before_residual"] and config["fc_norm"] and config["norm_output"]
+  else:
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 5]
+    assert config["rope_theta"] == 500000.0 and config["draft_vocab_size"] == 40
+  # fc's blocks and the fc norms follow the ascending layers 1, 4, 6 (ours: 6, 1, 4)
+  np.testing.assert_array_equal(state["fc_norm.0.weight"],
+                                np.asarray(params["params"]["fc_norm_1"]["scale"], np.float16))
+  back, loaded = read_reference_dir(tmp_path, "eagle3", deep_target, TREE)
+  assert back == dataclasses.replace(drafter, aux_layers=(1, 4, 6))  # stored ascending
+  assert back.feature_layers == (1, 4, 6)
+  p = jax.tree.map(lambda x: np.asarray(x, np.float16).astype(np.float32), params["params"])
+  fc = p["fc"]
+  np.testing.assert_array_equal(loaded["params"]["fc"],
+                                np.concatenate([fc[:, D:2 * D], fc[:, 2 * D:], fc[:, :D]], 1))
+  for j_back, j_ours in ((0, 1), (1, 2), (2, 0)):
+    np.testing.assert_array_equal(loaded["params"][f"fc_norm_{j_back}"]["scale"],
+                                  p[f"fc_norm_{j_ours}"]["scale"])
+  _same(loaded["params"]["attn"], p["attn"])
+  np.testing.assert_array_equal(loaded["params"]["lm_head"], p["lm_head"])
+
+
+# ---- other producers ---------------------------------------------------------------------------
+
+
+def _hand_built_state(seed=0, k=V):
+  """An official-layout state dict built name by name (8-layer target, 3 streams)."""
+  rng = np.random.RandomState(seed)
+  shapes = {"fc.weight": (D, 3 * D), "midlayer.hidden_norm.weight": (D,),
+            "midlayer.input_layernorm.weight": (D,),
+            "midlayer.post_attention_layernorm.weight": (D,),
+            "midlayer.self_attn.q_proj.weight": (72, 2 * D),
+            "midlayer.self_attn.k_proj.weight": (24, 2 * D),
+            "midlayer.self_attn.v_proj.weight": (24, 2 * D),
+            "midlayer.self_attn.o_proj.weight": (D, 72),
+            "midlayer.mlp.gate_proj.weight": (F, D), "midlayer.mlp.up_proj.weight": (F, D),
+            "midlayer.mlp.down_proj.weight": (D, F), "norm.weight": (D,),
+            "lm_head.weight": (k, D)}
+  return {name: (0.1 * rng.standard_normal(shape)).astype(np.float32)
+          for name, shape in shapes.items()}
+
+
+def _llama_config(**extra):
+  return dict({"model_type": "llama", "hidden_act": "silu", "hidden_size": D,
+               "intermediate_size": F, "num_attention_heads": 6, "num_key_value_heads": 2,
+               "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
+               "vocab_size": V, "tie_word_embeddings": False}, **extra)
+
+
+def _speculators_config(ids=(1, 4, 6), **top):
+  return dict({"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+               "draft_vocab_size": V, "target_hidden_size": D,
+               "eagle_aux_hidden_state_layer_ids": list(ids),
+               "transformer_layer_config": _llama_config(rope_theta=10000.0),
+               "speculators_config": {"algorithm": "eagle3"}}, **top)
+
+
+def _specforge_config(ids=(0, 3, 5), **top):
+  return dict(_llama_config(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=V,
+                            eagle_config={"eagle_aux_hidden_state_layer_ids": list(ids),
+                                          "use_aux_hidden_state": True}), **top)
+
+
+def test_speculators_and_specforge_checkpoints_name_the_same_layers(tmp_path, deep_target):
+  state = _hand_built_state()
+  speculators = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
+  speculators["embed_tokens.weight"] = _embedding(deep_target)  # ignored: the target's is used
+  _write(tmp_path / "vllm", speculators, _speculators_config(norm_before_residual=False), "bin")
+  _write(tmp_path / "sglang", state, _specforge_config())
+  a, a_params = read_reference_dir(tmp_path / "vllm", "eagle3", deep_target, TREE)
+  b, b_params = read_reference_dir(tmp_path / "sglang", "eagle3", deep_target, TREE)
+  # speculators: "before layer i" [1, 4, 6]; SpecForge: "output of layer i" [0, 3, 5]
+  assert a == b and a.feature_layers == (1, 4, 6)
+  assert (a.rope_theta, a.draft_vocab, a.norm_before_residual) == (10000.0, (), False)
+  _same(a_params, b_params)
+  np.testing.assert_array_equal(a_params["params"]["fc"], state["fc.weight"])
+  q = state["midlayer.self_attn.q_proj.weight"]  # q head h = kv head h // 3, slot h % 3
+  np.testing.assert_array_equal(a_params["params"]["attn"]["qkv"][1, 2], q[5 * 12:6 * 12])
+  np.testing.assert_array_equal(a_params["params"]["attn"]["qkv"][1, 3],
+                                state["midlayer.self_attn.k_proj.weight"][12:24])
+
+  # Defaults: speculators read norm_before_residual as true when absent (as vLLM does);
+  # no ids at all means EAGLE-3's default layers.
+  _write(tmp_path / "vllm2", speculators, _speculators_config())
+  c, _ = read_reference_dir(tmp_path / "vllm2", "eagle3", deep_target, TREE)
+  assert c.norm_before_residual is True
+  config = _specforge_config()
+  del config["eagle_config"]
+  _write(tmp_path / "plain", state, config)
+  d, _ = read_reference_dir(tmp_path / "plain", "eagle3", deep_target, TREE)
+  assert d.aux_layers == () and d.feature_layers == (2, 4, 5)
+  # The default layers written explicitly read back as the default.
+  _write(tmp_path / "explicit", state, _specforge_config(ids=(1, 3, 4)))
+  assert read_reference_dir(tmp_path / "explicit", "eagle3", deep_target, TREE)[0] == d
+
+
+def test_ambiguous_layer_ids_need_a_convention(tmp_path, deep_target):
+  state = _hand_built_state()
+  config = _specforge_config()
+  config["eagle_aux_hidden_state_layer_ids"] = config.pop("eagle_config")[
+      "eagle_aux_hidden_state_layer_ids"]  # top level, but no speculators marker
+  _write(tmp_path, state, config)
+  with pytest.raises(ValueError, match="no mark of whose convention.*layer_id_convention"):
+    read_reference_dir(tmp_path, "eagle3", deep_target, TREE)
+  as_output, _ = read_reference_dir(tmp_path, "eagle3", deep_target, TREE,
+                                    layer_id_convention="output")
+  as_before, _ = read_reference_dir(tmp_path, "eagle3", deep_target, TREE,
+                                    layer_id_convention="before")
+  assert as_output.feature_layers == (1, 4, 6) and as_before.feature_layers == (0, 3, 5)
+  # The helper on its own: markers, forcing, agreement of both keys.
+  assert layer_ids_of({})[0] is None
+  assert layer_ids_of(_speculators_config(ids=(6, 1, 4)))[0] == (1, 4, 6)
+  assert layer_ids_of(_specforge_config(), "before")[0] == (0, 3, 5)
+  both = dict(_specforge_config(), eagle_aux_hidden_state_layer_ids=[1, 4, 6])
+  assert layer_ids_of(both)[0] == (1, 4, 6)
+  with pytest.raises(ValueError, match="disagree"):
+    layer_ids_of(dict(both, eagle_aux_hidden_state_layer_ids=[0, 3, 5]))
+
+
+# ---- the draft vocabulary ----------------------------------------------------------------------
+
+
+def test_d2t_and_t2d_carry_the_draft_vocabulary(tmp_path, deep_target):
+  subset = (0, 3, 4, 10, 11, 12, 40, 41, 77, 96)
+  drafter, params = _drafter(deep_target, draft_vocab=subset)
+  state = to_reference_state_dict(drafter, params)
+  d2t, t2d = state["d2t"], state["t2d"]
+  assert d2t.dtype == np.int64 and d2t.shape == (10,) and t2d.shape == (V,)
+  assert list(np.arange(10) + d2t) == list(subset)  # target id = i + d2t[i]
+  assert list(np.flatnonzero(t2d)) == list(subset)
+  # Row i of lm_head is target token subset[i]: the official top-1 (argmax + d2t[argmax])
+  # is ours.
+  rng = np.random.RandomState(0)
+  states = jnp.asarray(rng.standard_normal((5, D)).astype(np.float32))
+  normed = np.asarray(drafter.module().apply(params, states, method=lambda m, s: m.norm(s)))
+  row = np.argmax(normed @ state["lm_head.weight"].T, -1)
+  np.testing.assert_array_equal(np.asarray(drafter.draft_argmax(params, states)), row + d2t[row])
+
+  config = dict(_specforge_config(), draft_vocab_size=10)
+  hand = dict(_hand_built_state(k=10), d2t=d2t, t2d=t2d)
+  _write(tmp_path / "ok", hand, config)
+  back, _ = read_reference_dir(tmp_path / "ok", "eagle3", deep_target, TREE)
+  assert back.draft_vocab == subset and back.draft_vocab_size == 10
+  bad = {"t2d": dict(hand, t2d=np.roll(t2d, 1)),
+         "d2t": dict(hand, d2t=d2t[::-1].copy()),
+         "missing": {k: v for k, v in hand.items() if k not in ("d2t", "t2d")}}
+  messages = {"t2d": "t2d marks 10 tokens, not the 10 that d2t maps to",
+              "d2t": "not ascending distinct ids",
+              "missing": "a draft vocabulary of 10 tokens .* needs d2t, which is missing"}
+  for name, broken in bad.items():
+    _write(tmp_path / name, broken, config)
+    with pytest.raises(ValueError, match=messages[name]) as err:
+      read_reference_dir(tmp_path / name, "eagle3", deep_target, TREE)
+    assert "\n" not in str(err.value)
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+
+def _mismatch(case):
+  """(state, config) of a checkpoint that does not fit the 8-layer target."""
+  state, config = _hand_built_state(), _specforge_config()
+  if case == "hidden":
+    config.update(hidden_size=96)
+  elif case == "vocab":
+    config.update(vocab_size=101)
+  elif case == "layers":
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 3, 9]
+  elif case == "speculators layers":
+    config = _speculators_config(ids=(1, 4, 12))
+    state = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
+  elif case == "qkv":
+    state["midlayer.self_attn.q_proj.weight"] = state["midlayer.self_attn.q_proj.weight"][:, :D]
+  elif case == "heads":
+    config.update(num_key_value_heads=3)
+  elif case == "depth":
+    config.update(num_hidden_layers=2)
+  elif case == "target hidden":
+    config.update(target_hidden_size=4096)
+  return state, config
+
+
+MISMATCHES = {
+    "hidden": r"does not match the target: hidden_size=96 \(target: 72\)",
+    "vocab": r"does not match the target: vocab_size=101 \(target: 97\)",
+    "layers": r"eagle_config.eagle_aux_hidden_state_layer_ids=\[0, 3, 9\], output of layer i.*"
+              r"\[10\] lie beyond this 8-layer target's 0..8",
+    "speculators layers": r"eagle_aux_hidden_state_layer_ids=\[1, 4, 12\], captured before.*"
+                          r"\[12\] lie beyond this 8-layer target's 0..8",
+    "qkv": r"mis-shaped keys: midlayer.self_attn.q_proj.weight \(72, 72\) "
+           r"\(expected \(72, 144\)\)",
+    "heads": r"num_key_value_heads=3 \(target: 2\)",
+    "depth": r"num_hidden_layers=2 \(an EAGLE-3 draft has 1\)",
+    "target hidden": r"target_hidden_size=4096 \(target: 72\)",
+}
+
+
+@pytest.mark.parametrize("case", MISMATCHES)
+def test_checkpoints_of_another_target_are_refused_in_one_line(tmp_path, deep_target, case):
+  state, config = _mismatch(case)
+  _write(tmp_path, state, config)
+  with pytest.raises(ValueError, match=MISMATCHES[case]) as err:
+    read_reference_dir(tmp_path, "eagle3", deep_target, TREE)
+  assert "\n" not in str(err.value)
+
+
+def test_other_methods_and_formats_are_told_apart(tmp_path, deep_target):
+  state = _hand_built_state()
+  _write(tmp_path / "e3", state, _specforge_config())
+  with pytest.raises(ValueError, match="is a eagle3 checkpoint, not eagle2"):
+    read_reference_dir(tmp_path / "e3", "eagle2", deep_target, TREE)
+  speculators = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
+  _write(tmp_path / "vllm", speculators, _speculators_config())
+  with pytest.raises(ValueError, match="is a eagle3 checkpoint, not eagle2"):
+    read_reference_dir(tmp_path / "vllm", "eagle2", deep_target, TREE)
+  e2 = make_drafter("eagle2", CFG8, TREE)
+  write_reference_dir(tmp_path / "e2", e2, e2.init_params(jax.random.PRNGKey(0)))
+  with pytest.raises(ValueError, match="is a eagle2 checkpoint, not eagle3"):
+    read_reference_dir(tmp_path / "e2", "eagle3", deep_target, TREE)
+  _write(tmp_path / "fc", state, _specforge_config(norm_before_fc=True))
+  with pytest.raises(ValueError, match="norm_before_fc .* not supported"):
+    read_reference_dir(tmp_path / "fc", "eagle3", deep_target, TREE)
+  with pytest.raises(ValueError, match="no layout variant 'medusa'"):
+    write_reference_dir(tmp_path / "v", *_drafter(deep_target), variant="medusa")
+
+
+def test_a_biased_target_gets_zero_qkv_biases(tmp_path):
+  """The draft layer mirrors a target with q/k/v biases (Qwen2); the EAGLE-3 layouts hold
+  none, so zeros go out as nothing and come back as zeros, and a non-zero one is refused."""
+  biased = _target(CFG8.replace(attention_bias=True))
+  drafter, params = _drafter(biased)
+  params["params"]["attn"]["qkv_bias"] = jnp.zeros_like(params["params"]["attn"]["qkv_bias"])
+  write_reference_dir(tmp_path / "ok", drafter, params)
+  back, loaded = read_reference_dir(tmp_path / "ok", "eagle3", biased, TREE)
+  assert back == drafter
+  _same(loaded, params)
+  params["params"]["attn"]["qkv_bias"] = params["params"]["attn"]["qkv_bias"] + 0.1
+  with pytest.raises(ValueError, match="non-zero q/k/v bias"):
+    write_reference_dir(tmp_path / "bad", drafter, params)
+
+
+# ---- command lines -----------------------------------------------------------------------------
+
+
+def test_command_lines_export_speculators_and_import(tmp_path, target):
+  target_dir = tmp_path / "target"
+  write_target_hf_dir(target, target_dir)
+  drafter, params = registered_drafter("eagle3", target.config)
+  drafter = dataclasses.replace(drafter, draft_vocab=tuple(range(0, 97, 3)), rope_theta=2e5)
+  params["params"]["lm_head"] = params["params"]["lm_head"][::3]
+  save_draft(tmp_path / "ours", drafter, params)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = lambda module, *args: subprocess.run(  # noqa: E731
+      [sys.executable, "-m", f"launch.{module}", *args], cwd=root,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+  out = run("export", f"--draft={tmp_path / 'ours'}", f"--target={target_dir}",
+            "--format=eagle3", "--variant=speculators", f"--out={tmp_path / 'ref'}")
+  assert out.returncode == 0, out.stderr
+  assert "subset" not in out.stderr  # the layout holds the draft vocabulary (d2t)
+  config = json.loads((tmp_path / "ref" / "config.json").read_text())
+  assert config["speculators_model_type"] == "eagle3"
+  out = run("import_draft", f"--src={tmp_path / 'ref'}", "--format=eagle3",
+            f"--target={target_dir}", f"--out={tmp_path / 'back'}", "--top_k=1", "--depth=2",
+            "--total_tokens=4", "--layer_id_convention=before")
+  assert out.returncode == 0, out.stderr
+  back_drafter, back = load_draft(tmp_path / "back", target)
+  assert back_drafter == drafter
+  _same(back, params)
+
+
+# ---- parity with the official PyTorch code -----------------------------------------------------
+
+
+def _reference_model(ref_dir, config):
+  """The official EAGLE-3 draft (`eagle/model/cnets.py: Model`) built from an exported
+  config.json. Its `EConfig` goes through transformers' PretrainedConfig, which since
+  transformers 5 folds `rope_theta` into `rope_parameters`; the model reads plain
+  attributes, so they are given here as config.json has them."""
+  sys.path.insert(0, ref_dir)
+  try:
+    from eagle.model.cnets import Model
+  finally:
+    sys.path.remove(ref_dir)
+  fields = {"pretraining_tp": 1, "pad_token_id": None, "rope_scaling": None, **config}
+  return Model(types.SimpleNamespace(**fields), load_emb=False)
+
+
+@pytest.mark.slow  # needs the SafeAILab/EAGLE code: EAGLE_REFERENCE_DIR
+@pytest.mark.parametrize("subset", [False, True])
+def test_official_eagle3_model_matches_on_the_exported_files(tmp_path, target, subset):
+  ref_dir = os.environ.get(REFERENCE_ENV)
+  if not ref_dir or not os.path.isfile(os.path.join(ref_dir, "eagle", "model", "cnets.py")):
+    pytest.skip(f"set {REFERENCE_ENV} to a SafeAILab/EAGLE checkout (eagle/model/cnets.py) "
+                f"to compare with the official EAGLE-3 code")
+  drafter, params = _drafter(target, aux_layers=(0, 1, 2), rope_theta=500000.0,
+                             **({"draft_vocab": tuple(range(1, 97, 2))} if subset else {}))
+  write_reference_dir(tmp_path, drafter, params, formats=["bin"])
+  config = json.loads((tmp_path / "config.json").read_text())
+  model = _reference_model(ref_dir, config)
+  state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+  if config["vocab_size"] == config["draft_vocab_size"]:
+    del model.d2t, model.t2d  # as the official EaModel does
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  assert list(missing) == ["embed_tokens.weight"] and not unexpected
+  model.embed_tokens.weight.data = torch.from_numpy(_embedding(target).copy())
+  model.eval()
+
+  b, t = 2, 6
+  rng = np.random.RandomState(3)
+  tokens = rng.randint(0, V, (b, t + 1))
+  features = rng.standard_normal((b, t, 3 * D)).astype(np.float32)
+  with torch.no_grad():
+    h, kv = model(torch.from_numpy(features), input_ids=torch.from_numpy(tokens[:, :t]),
+                  use_cache=True)
+    h2, _ = model(h[:, -1:], input_ids=torch.from_numpy(tokens[:, t:]), past_key_values=kv,
+                  use_cache=True)
+    theirs = [h.numpy(), h2.numpy()]
+    logits = [model.lm_head(model.norm(x)).numpy() for x in (h, h2)]
+
+  head = TargetHead.of(target.config, target.params)
+  cache = drafter.new_cache(b, t + 1)
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  mask = causal_mask(jnp.zeros((b,), jnp.int32), t, t + 1)
+  out, cache = drafter.forward(params, head, jnp.asarray(tokens[:, :t]), jnp.asarray(features),
+                               positions, cache, mask)
+  cache = cache.replace(lengths=jnp.full((b,), t, jnp.int32))
+  out2, _ = drafter.forward(params, head, jnp.asarray(tokens[:, t:]), out[:, -1:],
+                            jnp.full((b, 1), t, jnp.int32), cache, jnp.ones((b, 1, t + 1), bool))
+  ours = [np.asarray(out), np.asarray(out2)]
+  for mine, other, their_logits in zip(ours, theirs, logits):
+    assert np.abs(other).max() > 0.1
+    np.testing.assert_allclose(mine, other, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(drafter.draft_logits(params, jnp.asarray(mine))),
+                               their_logits, rtol=0, atol=1e-4)
+  # The tokens drafted: the official code maps the top row through d2t.
+  top = logits[1].argmax(-1)
+  if subset:
+    top = top + model.d2t[torch.from_numpy(top)].numpy()
+  np.testing.assert_array_equal(np.asarray(drafter.draft_argmax(params, out2)), top)
