@@ -151,21 +151,23 @@ class DraftHead:
     which the losses predict and score through the target's lm_head."""
     return self.feature_layers + (-1,) if self.feature_layers else ()
 
+  @property
+  def fused_width(self) -> int:
+    """The width of the fused target streams the first draft step reads (0: none)."""
+    return len(self.feature_layers) * self.target_config.hidden_size
+
   def training_batch(self, batch):
     """A `TrainBatch` of `training_feature_layers` split into what the draft reads
     (`features`: the fused streams) and what it predicts (`targets`: the final norm's
     output at the next position); unchanged without fused streams."""
     if not self.feature_layers:
       return batch
-    width = len(self.feature_layers) * self.target_config.hidden_size
-    return batch.replace(features=batch.features[..., :width],
-                         targets=batch.targets[..., width:])
+    return batch.replace(features=batch.features[..., :self.fused_width],
+                         targets=batch.targets[..., self.fused_width:])
 
   def draft_features(self, features):
     """Stored / online training features `[..., F]` -> what the draft reads."""
-    if not self.feature_layers:
-      return features
-    return features[..., :len(self.feature_layers) * self.target_config.hidden_size]
+    return features[..., :self.fused_width] if self.feature_layers else features
 
   def module(self) -> nn.Module:
     raise NotImplementedError

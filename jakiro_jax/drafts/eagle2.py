@@ -60,7 +60,7 @@ class Eagle2Drafter(DraftHead):
     cache). Drafting is deterministic top-k, so `sampling` and `rng` are unused."""
     candidates, state = expand_beam(
         lambda i, frontier, state: self.tree_step(i, frontier, inputs, state),
-        self.ranked_log_probs(inputs.head, inputs.carried_root), inputs.carried_root,
+        self.candidate_log_probs(inputs, inputs.carried_root), inputs.carried_root,
         self.tree, self.beam_state(inputs), self.ranked_ids)
     tree = build_tree(candidates, inputs.root, self.tree.total_tokens, self.tree.depth + 1)
     return tree, state.cache
@@ -73,7 +73,12 @@ class Eagle2Drafter(DraftHead):
     """Tree step i: one draft forward over the frontier -> (log-probs, hidden, state)."""
     out, cache = inputs.run_forward(i, frontier, state.cache)
     hidden = self.carry(out)
-    return self.ranked_log_probs(inputs.head, hidden), hidden, state.replace(cache=cache)
+    return self.candidate_log_probs(inputs, hidden), hidden, state.replace(cache=cache)
+
+  def candidate_log_probs(self, inputs: RoundInputs, hidden):
+    """What the beam ranks for draft states `hidden [..., D]`: log-probs over the
+    `ranked_ids` through the target's lm_head (a head of its own: override this)."""
+    return self.ranked_log_probs(inputs.head, hidden)
 
   def step_loss(self, hidden, batch, head: TargetHead, epoch, settings):
     """EAGLE: loss = v_w * vloss + p_w * ploss on the one-layer draft's outputs."""

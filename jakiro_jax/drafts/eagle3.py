@@ -30,8 +30,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.drafts.base import Chain, DraftHead, add_unrolled_losses, fused_feature_layers
-from jakiro_jax.drafts.eagle2 import BeamState
+from jakiro_jax.drafts.base import Chain, add_unrolled_losses, fused_feature_layers
+from jakiro_jax.drafts.eagle2 import Eagle2Drafter
 from jakiro_jax.drafts.losses import LossSettings
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
@@ -39,7 +39,7 @@ from jakiro_jax.models.llama import (MLP, Attention, RMSNorm, check_feature_laye
                                      matmul_out_in, weight_param)
 from jakiro_jax.sharding import whole_features
 from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
-from jakiro_jax.speculative.tree import Tree, TreeConfig, build_tree, expand_beam
+from jakiro_jax.speculative.tree import TreeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ class Eagle3Draft(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter(DraftHead):
+class Eagle3Drafter(Eagle2Drafter):
   """Hashable description of an EAGLE-3 drafter (a static argument of the jitted loop).
 
   `features` "fused" = EAGLE-3's streams (2, L//2, L-3), or layer ids "i,j,k";
@@ -194,32 +194,19 @@ class Eagle3Drafter(DraftHead):
     raise TypeError("an EAGLE-3 draft scores candidates with its own lm_head: "
                     "use draft_logits(params, state)")
 
-  def draft(self, inputs: RoundInputs) -> tuple[Tree, Any]:
-    """The round's tree under `root [B]`: EAGLE-2's beam and rerank over the draft
-    head's own log-probs (deterministic top-k: `sampling` and `rng` are unused)."""
-    params = inputs.params
-
-    def step(i, frontier, state: BeamState):
-      out, cache = inputs.run_forward(i, frontier, state.cache)
-      return self.draft_log_probs(params, out), out, state.replace(cache=cache)
-
-    candidates, state = expand_beam(
-        step, self.draft_log_probs(params, inputs.carried_root), inputs.carried_root,
-        self.tree, BeamState(cache=inputs.cache), self.ranked_ids)
-    tree = build_tree(candidates, inputs.root, self.tree.total_tokens, self.tree.depth + 1)
-    return tree, state.cache
+  def candidate_log_probs(self, inputs: RoundInputs, hidden):
+    """EAGLE-2's beam and rerank (`Eagle2Drafter.draft`) over the draft head's own
+    log-probs."""
+    return self.draft_log_probs(inputs.params, hidden)
 
   # Training.
-  def fused_width(self) -> int:
-    return len(self.feature_layers) * self.target_config.hidden_size
-
   def objective(self, params, head: TargetHead, batch, epoch, settings):
     """Training-time test (`settings.ttt_steps`, weights `ttt_decay^k`) on the draft's
     own states; each step's loss is `step_loss`. `batch.features` / `targets` hold the
     fused streams then the final norm's output (`training_feature_layers`)."""
     if settings.ttt_steps and settings.ttt_tokens != "data":
       raise ValueError("eagle3's training-time test reads the data's tokens (ttt_tokens='data')")
-    width = self.fused_width()
+    width = self.fused_width
     if batch.features.shape[-1] != width + self.target_config.hidden_size:
       raise ValueError(f"eagle3 trains on target features of width "
                        f"{width + self.target_config.hidden_size} (layers "
