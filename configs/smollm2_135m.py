@@ -2,6 +2,8 @@
 
   python -m launch.bench --config=configs/smollm2_135m.py --method=ar \
       --questions=path/to/eval/alpaca.jsonl --max_questions=5
+
+`--config=configs/smollm2_135m.py:papers` gives every method the paper's GPU tree instead.
 """
 
 import ml_collections
@@ -9,7 +11,7 @@ import ml_collections
 from jakiro_jax.config import base_config
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(trees: str = "small") -> ml_collections.ConfigDict:
   # The shared schema and its defaults (`jakiro_jax/config.py`): the embedded SmolLM2
   # target in fp32 (bf16 on this CPU ran 2.5x slower), the chat template's own system
   # prompt, and every method's block with its small tree (`small_tree`): on a CPU the
@@ -18,4 +20,4 @@ def get_config() -> ml_collections.ConfigDict:
   # Without --method, launch.generate runs the first method of
   # `registry.MAIN_JOB_PREFERENCE` with a draft shipped for the target (a config may set
   # `preferred_methods` to change the order).
-  return base_config(trees="small")
+  return base_config(trees=trees or "small")

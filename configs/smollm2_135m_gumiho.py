@@ -14,7 +14,8 @@ def get_config():
   c = cpu_training(default_config("gumiho"))
   # 1 serial step + 5 MLP levels, the paper's tree (it sets the validation chain).
   c.drafts.gumiho = dict(tree=dict(top_k=14, depth=6, total_tokens=64), mlp_num=5,
-                         mlp_topk=35, pruning=35)
+                         mlp_topk=35, pruning=35, features="last")
+  # features: "last" (EAGLE-2's: the final norm's output) or "fused" (EAGLE-3's streams)
   # lr 3e-4 (configs/smollm2_135m_cpu.py); spec: 2e-4, log warm-up 200 steps, linear decay to 0 at 200k steps
   c.weight_decay = 0.0  # spec
   c.clip_mode, c.clip = "global_norm", 0.5  # spec: gradient-norm clipping 0.5

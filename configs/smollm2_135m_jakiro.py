@@ -12,7 +12,8 @@ from jakiro_jax.train.trainer import default_config
 
 def get_config():
   c = cpu_training(default_config("jakiro"))
-  c.drafts.jakiro = dict(tree=dict(top_k=10, depth=5, total_tokens=60))
+  # features: "last" (EAGLE-2's: the final norm's output) or "fused" (EAGLE-3's streams)
+  c.drafts.jakiro = dict(tree=dict(top_k=10, depth=5, total_tokens=60), features="last")
   # lr 3e-4 (configs/smollm2_135m_cpu.py); spec: 9e-5, cosine, 2000 warm-up steps
   c.weight_decay = 1e-3  # spec
   c.clip_mode, c.clip = "value", 0.5  # spec: clip_grad_value_(0.5)

@@ -71,7 +71,7 @@ def test_shipped_draft_names_resolve_to_their_directory(tmp_path, tiny_pair, mon
 
 def test_config_tree_options_apply_to_a_loaded_gumiho_draft(tmp_path, tiny_pair):
   """bench/eval_suite take the tree shape (incl. Gumiho's mlp_topk, pruning) from the config,
-  whatever the draft was saved with; the architecture (mlp_num) must match the draft."""
+  whatever the draft was saved with; the architecture (mlp_num) is the draft's."""
   from jakiro_jax.drafts.io import resolve_draft
   _, target = tiny_pair
   tree = TreeConfig(top_k=3, depth=4, total_tokens=10)
@@ -89,8 +89,12 @@ def test_config_tree_options_apply_to_a_loaded_gumiho_draft(tmp_path, tiny_pair)
   loaded, _ = resolve_draft(target, "gumiho", str(tmp_path), big,
                             options={"mlp_num": 3, "mlp_topk": 5, "pruning": 4})
   assert (loaded.tree, loaded.pruning) == (big, 4)
-  with pytest.raises(ValueError, match="has mlp_num=3"):
-    resolve_draft(target, "gumiho", str(tmp_path), tree, options={"mlp_num": 5})
+  # An architecture option left at its default (mlp_num=5) follows the draft; one asked for
+  # must match it.
+  assert resolve_draft(target, "gumiho", str(tmp_path), tree,
+                       options={"mlp_num": 5})[0].mlp_num == 3
+  with pytest.raises(ValueError, match="has mlp_num=3, the config asks for 4"):
+    resolve_draft(target, "gumiho", str(tmp_path), tree, options={"mlp_num": 4})
   with pytest.raises(ValueError, match="is a gumiho draft, not eagle2"):
     resolve_draft(target, "eagle2", str(tmp_path), tree)
 

@@ -313,13 +313,41 @@ def test_feature_sets_of_other_layers_are_refused(tiny_target, feature_set, eagl
   assert ("holds the target's final norm output but eagle3 trains on target layers "
           "[2, 1, 0, -1]; make one with `python -m launch.gen_data --method=eagle3` or "
           "train with --config.online=True") in message
-  eagle2 = _config("configs/smollm2_135m_eagle2.py", _tiny_overrides(target_dir, "eagle2"))
-  with pytest.raises(TrainInputError, match=r"holds target layers \[2, 1, 0, -1\] but "
-                                            r"eagle2 trains on the target's final norm output"):
-    train(eagle2, eagle3_dir, tmp_path / "b")
+  jakiro = _config("configs/smollm2_135m_jakiro.py",
+                   _tiny_overrides(target_dir, "jakiro", **{"draft.features": "0,1"}))
+  with pytest.raises(TrainInputError, match=r"holds the target's final norm output but "
+                                            r"jakiro trains on target layers \[0, 1, -1\]"):
+    train(jakiro, old_dir, tmp_path / "b")
   config.online, config.vocab_subset = True, 16  # its own head: no CPU head subset
   with pytest.raises(TrainInputError, match="vocab_subset=0"):
     train(config, old_dir, tmp_path / "c")
+
+
+def test_a_set_of_more_streams_trains_a_method_on_its_own(tiny_target, eagle3_set, tmp_path):
+  """EAGLE-2 (the final norm's output) and Jakiro with fused streams (2, 1, 0) train on
+  EAGLE-3's set (2, 1, 0, -1) to the bits they reach on a set of exactly their streams, so
+  one feature set serves an A/B of feature kinds."""
+  target_dir, _ = tiny_target
+  eagle3_dir, rows = eagle3_set
+  for method, features, layers in (("eagle2", "last", ()), ("jakiro", "fused", (2, 1, 0, -1))):
+    keep = [LAYERS.index(i) for i in (layers or (-1,))]
+    own = str(tmp_path / f"{method}_set")
+    data.write_meta(own, {"target": "tiny", "hidden_size": D, "vocab_size": TINY.vocab_size,
+                          **({"feature_layers": list(layers)} if layers else {})})
+    for i, part in enumerate((rows[:10], rows[10:])):
+      data.write_shard(own, i, [dict(r, features=np.concatenate(
+          [r["features"][:, j * D:(j + 1) * D] for j in keep], 1)) for r in part],
+          len(keep) * D)
+    config = _config(f"configs/smollm2_135m_{method}.py", _tiny_overrides(
+        target_dir, method, num_steps=2, tensorboard=False, vocab_subset=16,
+        **{"draft.features": features}))
+    inputs = trainer._load_inputs(config, eagle3_dir)
+    assert inputs.rows[3]["features"].shape == (len(rows[3]["input_ids"]), len(keep) * D)
+    shared = train(config, eagle3_dir, tmp_path / f"{method}_shared")
+    exact = train(config, own, tmp_path / f"{method}_own")
+    assert shared.step == exact.step == 2
+    for a, b in zip(jax.tree.leaves(shared.params), jax.tree.leaves(exact.params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_resume_continues_exactly_with_the_checkpoints_draft_vocab(

@@ -99,6 +99,24 @@ def test_fused_features_greedy_lossless(deep_pair, method):
   assert spec.tokens == generate_ar(target, prompts, max_new_tokens=16).tokens
 
 
+def test_a_fused_draft_loads_under_a_config_that_left_features_alone(deep_pair, tmp_path):
+  """A config's default `features` ("last") follows the draft; one that asks for other
+  streams than the draft's is refused by name."""
+  from jakiro_jax.config import base_config
+  from jakiro_jax.drafts.io import draft_from_config, save_draft
+  _, target = deep_pair
+  drafter = make_drafter("jakiro", target.config, TreeConfig(top_k=2, depth=2, total_tokens=4),
+                         features="fused")
+  save_draft(tmp_path / "d", drafter, drafter.init_params(jax.random.PRNGKey(0)))
+  config = base_config()
+  assert config.drafts.jakiro.features == "last"
+  loaded, _ = draft_from_config(config, "jakiro", target, str(tmp_path / "d"))
+  assert loaded.features == "fused" and loaded.feature_layers == (2, 3, 3)
+  config.drafts.jakiro.features = "1,4"
+  with pytest.raises(ValueError, match=r"has features=fused, the config asks for 1,4"):
+    draft_from_config(config, "jakiro", target, str(tmp_path / "d"))
+
+
 def test_drafts_that_cannot_fuse_refuse_it(deep_pair):
   _, target = deep_pair
   with pytest.raises(ValueError, match="jakiro_star drafters read the last layer's"):

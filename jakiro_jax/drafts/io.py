@@ -6,6 +6,7 @@ lm_head are never stored. (The original PyTorch layouts are handled by the expor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -132,7 +133,8 @@ def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
   """(drafter, params) from a directory, a shipped name, 'random' or the shipped default.
 
   The tree and the method's inference options (`Drafter.inference_options`, not learnt)
-  replace what the draft was saved with; other options must match the draft."""
+  replace what the draft was saved with; the architecture options are the draft's, and one
+  the config sets to other than the method's default must match it."""
   shipped = f"{target.name}-{method}"
   if draft == "random" or (draft is None and shipped not in SHIPPED_DRAFTS):
     drafter = make_drafter(method, target.config, tree, **(options or {}))
@@ -153,8 +155,11 @@ def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,
   if drafter.name != method:
     raise ValueError(f"draft {draft} is a {drafter.name} draft, not {method}")
   saved = option_fields(drafter)
-  for name, value in options.items():  # architecture options must match the draft
-    if name not in inference and name in saved and saved[name] != value:
+  defaults = {f.name: f.default for f in dataclasses.fields(get(method))}
+  for name, value in options.items():  # architecture options asked for must match the draft
+    if name in inference or name not in saved or saved[name] == value:
+      continue
+    if value != defaults.get(name, dataclasses.MISSING):  # a default follows the draft
       raise ValueError(f"draft {draft} has {name}={saved[name]}, the config asks for "
                        f"{value}; set it to the draft's")
   return drafter, params

@@ -37,6 +37,39 @@ def stored_feature_layers(meta: Mapping) -> tuple[int, ...]:
   return tuple(int(i) for i in meta.get("feature_layers") or ())
 
 
+def stream_columns(stored: Sequence[int], wanted: Sequence[int], hidden_size: int
+                   ) -> np.ndarray | None:
+  """The feature columns that hold streams `wanted` (a drafter's training streams, () = the
+  final norm's output) inside a set holding `stored` (both in `stored_feature_layers`'s
+  terms): None when the set holds exactly those, so one feature set of several streams
+  (e.g. EAGLE-3's, which end with -1) trains every method reading a subset of them. A
+  stream the set lacks raises KeyError naming it."""
+  stored, wanted = tuple(stored) or (-1,), tuple(wanted) or (-1,)
+  if stored == wanted:
+    return None
+  missing = [i for i in wanted if i not in stored]
+  if missing:
+    raise KeyError(f"streams {missing} are not stored (the set holds {list(stored)})")
+  return np.concatenate([np.arange(stored.index(i) * hidden_size,
+                                   (stored.index(i) + 1) * hidden_size) for i in wanted])
+
+
+class StreamView:
+  """A numpy-formatted feature dataset whose rows' `features` keep only `columns`
+  (`stream_columns`), sliced per row as it is read."""
+
+  def __init__(self, dataset, columns: np.ndarray):
+    self.dataset, self.columns = dataset, columns
+
+  def __len__(self):
+    return len(self.dataset)
+
+  def __getitem__(self, index: int):
+    row = dict(self.dataset[index])
+    row["features"] = row["features"][:, self.columns]
+    return row
+
+
 def feature_schema(hidden_size: int):
   import datasets
 

@@ -69,7 +69,8 @@ from jakiro_jax.train.vocab_subset import (DRAFT_VOCAB_FILE, frequent_tokens, he
 from jakiro_jax.drafts.io import save_draft
 from jakiro_jax.target import load_target
 from jakiro_jax.train.checkpoints import TrainCheckpoints
-from jakiro_jax.train.data import load_feature_dataset, stored_feature_layers
+from jakiro_jax.train.data import (StreamView, load_feature_dataset, stored_feature_layers,
+                                   stream_columns)
 from jakiro_jax.train.features import features_jit
 from jakiro_jax.speculative.drafter import training_feature_layers_of
 from jakiro_jax.train.metrics import acceptance_counts, summarize
@@ -388,7 +389,7 @@ def _load_inputs(config, data_dir) -> _Inputs:
   if not registry.has_params(drafter):
     raise TrainInputError(f"method {config.method!r} has no parameters to train")
   loss_settings(config, drafter)
-  _check_features(config, drafter, meta, data_dir)
+  columns = _check_features(config, drafter, meta, data_dir)
   _check_head(config, drafter)
   prompt_index, lengths, table = _scan_columns(dataset)
   train_rows, val_rows = split_rows(prompt_index, config.val_fraction)
@@ -405,6 +406,8 @@ def _load_inputs(config, data_dir) -> _Inputs:
                     config.batch_size, config.seed, config.group_by_length)
   if config.online:  # features come from the target; never read them from disk
     dataset = dataset.select_columns(["prompt_index", "input_ids", "loss_mask"])
+  elif columns is not None:  # a set of more streams than the drafter reads
+    dataset = StreamView(dataset, columns)
   return _Inputs(dataset, table, target, drafter, train_rows, val_rows, order, lengths)
 
 
@@ -418,19 +421,22 @@ def _make_drafter(config, target_config, draft_vocab=None):
     raise TrainInputError(f"config.drafts.{config.method}: {e}") from None
 
 
-def _check_features(config, drafter, meta, data_dir) -> None:
+def _check_features(config, drafter, meta, data_dir):
   """In the stored mode the feature set must hold the streams the drafter trains on
-  (`training_feature_layers`); the online mode computes them and reads none."""
+  (`training_feature_layers`), maybe among others: the columns to keep
+  (`data.stream_columns`; None: all). The online mode computes them and reads none."""
   if config.online:
-    return
+    return None
   stored, wanted = stored_feature_layers(meta), training_feature_layers_of(drafter)
-  if stored != wanted:
+  try:
+    return stream_columns(stored, wanted, drafter.target_config.hidden_size)
+  except KeyError:
     def name(layers):
       return f"target layers {list(layers)}" if layers else "the target's final norm output"
     raise TrainInputError(
         f"feature set {data_dir} holds {name(stored)} but {config.method} "
         f"trains on {name(wanted)}; make one with `python -m launch.gen_data "
-        f"--method={config.method}` or train with --config.online=True")
+        f"--method={config.method}` or train with --config.online=True") from None
 
 
 def _check_head(config, drafter) -> None:
