@@ -80,6 +80,10 @@ def test_default_blocks_hold_each_methods_trees_and_inference_options():
   assert registry.default_blocks("papers", fc_bias=False)["eagle2"]["fc_bias"] is False
   with pytest.raises(ValueError, match="tree_set must be small or papers"):
     registry.default_blocks("huge")
+  # `--config=configs/smollm2_135m.py:papers`
+  papers_config = smollm2_135m.get_config("papers")
+  assert papers_config.drafts.to_dict() == base_config(trees="papers").drafts.to_dict()
+  assert smollm2_135m.get_config().drafts.to_dict() == small
 
 
 def test_loss_weights_belong_to_their_method():
