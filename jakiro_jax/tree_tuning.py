@@ -47,6 +47,7 @@ from typing import Any, Sequence
 import jax
 
 from jakiro_jax.drafts import io as draft_io
+from jakiro_jax.kernels import small_rows
 from jakiro_jax.drafts.registry import json_value, option_fields
 from jakiro_jax.models.embedded import default_cache_dir
 from jakiro_jax.speculative.generate import generate
@@ -244,13 +245,15 @@ def draft_weights_digest(directory: str | None) -> dict | None:
 def cache_path(target, method: str, draft_id: str, sampling: SamplingConfig,
                cache_dir: str | os.PathLike | None = None) -> str:
   """Where the tuning result of this (device, target, method, draft, dtype, sampling) lives;
-  a retrained draft (other weights) is another entry."""
+  a retrained draft (other weights) or the CPU's small-row matmul on or off (other round
+  costs) is another entry."""
   kind, platform = device_description()
   config_text = json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str)
   weights = draft_weights_digest(draft_directory(target.name, method, draft_id))
+  matmul = ["small_rows"] if platform == "cpu" and small_rows.available() else []
   key = json.dumps([GRID_VERSION, kind, platform, target.name, config_text, method,
                     draft_id, weights, str(target.config.dtype),
-                    dataclasses.astuple(sampling)], default=str, sort_keys=True)
+                    dataclasses.astuple(sampling)] + matmul, default=str, sort_keys=True)
   digest = hashlib.sha256(key.encode()).hexdigest()[:16]
   safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{kind}-{method}")
   root = os.path.join(cache_dir or default_cache_dir(), "tree_tuning")

@@ -18,6 +18,7 @@ slots `cache.lengths + t`, positions are only used by RoPE.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import flax.linen as nn
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 
 from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
                                      rope_inverse_frequencies)
+from jakiro_jax.kernels import small_rows
 from jakiro_jax.models import tree_attention
 from jakiro_jax.models.kv_cache import KVCache
 
@@ -62,11 +64,25 @@ def matmul_out_in(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
   split (a reshape merging it with another axis can only be done by gathering the weight).
   """
   lead = x.shape[:x.ndim - in_dims]
+  out_shape = w.shape[:w.ndim - in_dims]
   x2 = x.reshape((-1,) + x.shape[x.ndim - in_dims:])
-  contract = (tuple(range(w.ndim - in_dims, w.ndim)), tuple(range(1, in_dims + 1)))
-  y = jax.lax.dot_general(w, x2, (contract, ((), ())),
-                          precision=dot_precision(w, x2))  # [out..., M]
-  return jnp.moveaxis(y, -1, 0).reshape(lead + w.shape[:w.ndim - in_dims])
+
+  def xla_dot(x2, w):
+    contract = (tuple(range(w.ndim - in_dims, w.ndim)), tuple(range(1, in_dims + 1)))
+    y = jax.lax.dot_general(w, x2, (contract, ((), ())),
+                            precision=dot_precision(w, x2))  # [out..., M]
+    return jnp.moveaxis(y, -1, 0)  # [M, out...]
+
+  rows, width = x2.shape[0], math.prod(x2.shape[1:])
+  if small_rows.applies(rows, width, (x2.dtype, w.dtype)):
+    # few rows on a CPU: the weight read once, every sum in the decode step's order
+    y = jax.lax.platform_dependent(
+        x2, w, default=xla_dot,
+        cpu=lambda x2, w: small_rows.small_row_matmul(
+            x2.reshape(rows, width), w.reshape(-1, width)).reshape((rows,) + out_shape))
+  else:
+    y = xla_dot(x2, w)
+  return y.reshape(lead + out_shape)
 
 
 class RMSNorm(nn.Module):
@@ -429,8 +445,19 @@ class Llama(nn.Module):
       head = self.embed_tokens.embedding
     else:
       head = self.lm_head
-    return jnp.einsum("...D,VD->...V", features, head,
-                      precision=dot_precision(features, head)).astype(jnp.float32)
+    def xla_dot(features, head):
+      return jnp.einsum("...D,VD->...V", features, head,
+                        precision=dot_precision(features, head))
+
+    rows, width = math.prod(features.shape[:-1]), features.shape[-1]
+    if small_rows.applies(rows, width, (features.dtype, head.dtype)):
+      logits = jax.lax.platform_dependent(  # as `matmul_out_in`
+          features, head, default=xla_dot,
+          cpu=lambda f, h: small_rows.small_row_matmul(f.reshape(rows, width), h).reshape(
+              f.shape[:-1] + h.shape[:1]))
+    else:
+      logits = xla_dot(features, head)
+    return logits.astype(jnp.float32)
 
 
 def init_params(config: LlamaConfig, rng: jax.Array, boxed: bool = False):
