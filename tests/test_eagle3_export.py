@@ -511,3 +511,191 @@ def test_official_eagle3_model_matches_on_the_exported_files(tmp_path, target, s
   if subset:
     top = top + model.d2t[torch.from_numpy(top)].numpy()
   np.testing.assert_array_equal(np.asarray(drafter.draft_argmax(params, out2)), top)
+
+
+# ---- greedy generation against the official EaModel.eagenerate ---------------------------------
+
+REFERENCE_PYTHON_ENV = "EAGLE_REFERENCE_PYTHON"  # a python whose transformers the official
+#                                                  code supports (4.53.x), see docs/export.md
+REFERENCE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "eagle3_reference_generate.py")
+# 8 layers: the official code captures the streams before layers 2, 4 and 5 (2, L//2, L-3),
+# our default. D = 128 >= V = 97 and 4 kv heads x 16 = 64 value dimensions: room for the
+# official head's construction (`eagle3_reference_generate.make_head`).
+MARKOV_LLAMA = dict(vocab_size=97, hidden_size=128, intermediate_size=192,
+                    num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                    head_dim=16, rope_theta=10000.0, eos_token_id=None, bos_token_id=None)
+MARKOV_TREE = TreeConfig(top_k=4, depth=4, total_tokens=16)
+MARKOV_HEAD = dict(seed=7, query_scale=13.7, code_scale=20.0, head_scale=0.5, fc_scale=1.0,
+                   qk_noise=0.1)
+
+
+def _markov_target(seed=0, mix=33.0, sharpness=0.1):
+  """A transformers Llama whose next token is mostly f(current token), f one cycle
+  through the whole vocabulary (no fixed point, so no constant output): every embedding
+  row is [1, x] with mean square 1 (dimension 0 constant; the official head's
+  construction reads it), lm_head row f(t) = `sharpness` * the embedding of t without
+  dimension 0, and the layers' o_proj / down_proj scaled by `mix` move the residual
+  stream off the embedding, so that the context sometimes decides instead (mix 33: 84% of
+  the greedy tokens of the test's prompts are f of the one before; the smallest gap
+  between the best two logits, 0.009, leaves the two implementations' float rounding no
+  say). Returns (torch model, f)."""
+  from conftest import tiny_hf_model
+  model = tiny_hf_model("llama", seed=seed, **MARKOV_LLAMA)
+  vocab, d = MARKOV_LLAMA["vocab_size"], MARKOV_LLAMA["hidden_size"]
+  rng = np.random.RandomState(seed)
+  rest = rng.standard_normal((vocab, d - 1))
+  rest *= np.sqrt(d - 1) / np.linalg.norm(rest, axis=1, keepdims=True)
+  emb = np.concatenate([np.ones((vocab, 1)), rest], 1).astype(np.float32)
+  cycle = rng.permutation(vocab)
+  nxt = np.empty(vocab, np.int64)
+  nxt[cycle] = np.roll(cycle, -1)
+  head = np.zeros((vocab, d), np.float32)
+  head[nxt, 1:] = sharpness * emb[:, 1:]
+  with torch.no_grad():
+    model.model.embed_tokens.weight.copy_(torch.from_numpy(emb))
+    model.lm_head.weight.copy_(torch.from_numpy(head))
+    for layer in model.model.layers:
+      layer.self_attn.o_proj.weight.mul_(mix)
+      layer.mlp.down_proj.weight.mul_(mix)
+  return model, [int(t) for t in nxt]
+
+
+def _official_python():
+  """(checkout, python) of the official code, else a skip saying what to set."""
+  ref_dir, python = os.environ.get(REFERENCE_ENV), os.environ.get(REFERENCE_PYTHON_ENV)
+  recipe = (f"set {REFERENCE_ENV} to a SafeAILab/EAGLE checkout and {REFERENCE_PYTHON_ENV} "
+            f"to a python that imports it (transformers 4.53.x: python -m venv "
+            f"--system-site-packages VENV && VENV/bin/pip install transformers==4.53.3) "
+            f"to compare with the official EaModel.eagenerate")
+  if not ref_dir or not os.path.isfile(os.path.join(ref_dir, "eagle", "model", "ea_model.py")):
+    pytest.skip(recipe)
+  if not python:
+    pytest.skip(recipe)
+  probe = subprocess.run(
+      [python, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import transformers; "
+       "from eagle.model import ea_model; print(transformers.__version__)", ref_dir],
+      capture_output=True, text=True, timeout=300)
+  if probe.returncode != 0:
+    last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+    pytest.skip(f"{REFERENCE_PYTHON_ENV}={python} cannot import the official code in "
+                f"{ref_dir} ({last}); {recipe}")
+  return ref_dir, python
+
+
+def _official_generate(python, job, tmp_path, name):
+  job_path, out_path = tmp_path / f"{name}.job.json", tmp_path / f"{name}.out.json"
+  job_path.write_text(json.dumps(job))
+  env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+  run = subprocess.run([python, REFERENCE_SCRIPT, str(job_path), str(out_path)],
+                       capture_output=True, text=True, timeout=900, env=env)
+  assert run.returncode == 0, f"the official code failed:\n{run.stderr[-4000:]}"
+  return json.loads(out_path.read_text())
+
+
+def _rounds_to(max_new_tokens, accepts):
+  """Our loop's rounds for a row: it holds 1 token after the prefill and stops once it
+  holds max_new_tokens (the official loop stops once it has MORE than max_new_tokens,
+  counting without the pending bonus token: one or two rounds later)."""
+  held = 1
+  for rounds, a in enumerate(accepts, 1):
+    held += a + 1
+    if held >= max_new_tokens:
+      return rounds
+  raise AssertionError(f"the official run stopped at {held} < {max_new_tokens} tokens")
+
+
+def _first_divergence(ours, theirs, max_new_tokens):
+  for row, (mine, other) in enumerate(zip(ours.accept_lens, theirs)):
+    n = _rounds_to(max_new_tokens, other["accept_lengths"])
+    for r, (a, b) in enumerate(zip(mine, other["accept_lengths"][:n])):
+      if a != b:
+        tree = other.get("trees", [None] * (r + 1))[r]
+        return f"prompt {row}, round {r}: ours accepted {a}, official {b}; official tree {tree}"
+    if len(mine) != n:
+      return f"prompt {row}: ours ran {len(mine)} rounds, official {n}"
+  return "none in the accept lengths"
+
+
+@pytest.mark.slow  # runs the official code: EAGLE_REFERENCE_DIR and EAGLE_REFERENCE_PYTHON
+def test_official_eagenerate_matches_our_tokens_and_accept_lengths(tmp_path):
+  """An EAGLE-3 head built and saved by the official code (`cnets.Model`, official layout,
+  no eagle_config: the default streams before layers 2, 4, 5 of this 8-layer target)
+  gives in our engine the tokens and the accept length of every round that the official
+  `EaModel.eagenerate` gives (greedy, fp32, batch 1 there, one batch of all prompts here);
+  the same head exported by us (`write_reference_dir`) gives the official code the same
+  again; and our tokens are our AR loop's.
+
+  Trees: ours TreeConfig(top_k, depth, total_tokens) is the official
+  from_pretrained(top_k, depth, total_token) with the same three numbers: both draft the
+  root's top_k children from the context forward, then `depth` forwards each expanding the
+  top_k best frontier nodes by top_k children (top_k + depth * top_k^2 candidates), and
+  verify the total - 1 best by cumulative log-prob plus the root (the official Model
+  keeps total_token - 1 as its `total_tokens`). Both pick among equal scores in their own
+  way (lax.top_k: the lower index; torch.topk: unspecified); the weights here leave no
+  exact ties.
+
+  Stop rule: the official loop stops once it holds MORE than max_new_tokens tokens (the
+  bonus token of the last round not counted), ours once it holds max_new_tokens (bonus
+  included): the first max_new_tokens tokens are compared, and our rounds are the
+  official's up to the first one where ours reaches max_new_tokens (`_rounds_to`). No stop
+  token (eos None on both sides).
+
+  A random head would accept nearly nothing: the target (`_markov_target`) mostly
+  follows a cycle f through the vocabulary, and the head is made, inside the official
+  Model before saving, to predict f of its input token at every tree depth (see
+  `make_head` in tests/eagle3_reference_generate.py), so that both sides reach tau > 1.3
+  (measured: ours 3.33, official 3.39, each over its own rounds). Accept lengths run 0..4
+  of the 5 a path could hold: the tree's size decides how deep the best chain goes, and
+  the fused streams shift the scores. Checked to be told apart: our tree with
+  total_tokens 15, or the draft reading layers (3, 4, 5), changes accept lengths.
+  """
+  from jakiro_jax.speculative.autoregressive import generate_ar
+  from jakiro_jax.target import target_from_torch
+  ref_dir, python = _official_python()
+  max_new, tree = 40, MARKOV_TREE
+  model, nxt = _markov_target()
+  target = target_from_torch(model)
+  assert target.stop_ids == ()
+  write_target_hf_dir(target, tmp_path / "target")
+  rng = np.random.RandomState(11)
+  prompts = [[int(t) for t in rng.randint(0, target.config.vocab_size, n)]
+             for n in (5, 9, 14, 20)]
+  job = {"reference_dir": ref_dir, "target_dir": str(tmp_path / "target"),
+         "head_dir": str(tmp_path / "official"), "prompts": prompts,
+         "max_new_tokens": max_new, "eos_token_id": None, "record_trees": True,
+         "tree": {"total_token": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k},
+         "make_head": dict(MARKOV_HEAD, next_token=nxt)}
+  official = _official_generate(python, job, tmp_path, "official")
+  assert official["transformers"].startswith("4."), official["transformers"]
+  assert official["draft_total_tokens"] == tree.total_tokens - 1
+
+  drafter, params = read_reference_dir(tmp_path / "official", "eagle3", target, tree)
+  assert drafter.feature_layers == (2, 4, 5) and drafter.rope_theta == 10000.0
+  ours = generate(target, drafter, params, prompts, max_new_tokens=max_new)
+  ar = generate_ar(target, prompts, max_new_tokens=max_new)
+  assert ours.tokens == ar.tokens  # lossless
+  theirs = official["results"]
+  print(f"\ntau: ours {ours.tau:.3f}, official {official['tau']:.3f}; "
+        f"rounds ours {[len(a) for a in ours.accept_lens]}, "
+        f"official {[len(r['accept_lengths']) for r in theirs]}")
+  assert [r["tokens"][:max_new] for r in theirs] == ours.tokens, \
+      _first_divergence(ours, theirs, max_new)
+  assert len(set(t for row in ours.tokens for t in row)) > 20  # not a constant
+  for mine, other in zip(ours.accept_lens, theirs):
+    n = _rounds_to(max_new, other["accept_lengths"])
+    assert mine == other["accept_lengths"][:n], _first_divergence(ours, theirs, max_new)
+  assert ours.tau > 1.3 and official["tau"] > 1.3
+
+  # Ours -> the official code: the same weights, so the same run.
+  write_reference_dir(tmp_path / "exported", drafter, params, formats=["bin"])
+  exported = torch.load(tmp_path / "exported" / "pytorch_model.bin", weights_only=True)
+  original = torch.load(tmp_path / "official" / "pytorch_model.bin", weights_only=True)
+  assert sorted(exported) == sorted(k for k in original if k not in ("d2t", "t2d"))
+  for k in exported:
+    assert torch.equal(exported[k], original[k]), k
+  job = dict(job, head_dir=str(tmp_path / "exported"), make_head=None, record_trees=False)
+  again = _official_generate(python, job, tmp_path, "exported")
+  assert [r["tokens"] for r in again["results"]] == [r["tokens"] for r in theirs]
+  assert ([r["accept_lengths"] for r in again["results"]]
+          == [r["accept_lengths"] for r in theirs])
