@@ -35,6 +35,8 @@ from jakiro_jax.speculative.generate import generate
 from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import Target
 
+from test_export import _write_state
+
 torch = pytest.importorskip("torch")
 
 REFERENCE_ENV = "EAGLE_REFERENCE_DIR"  # a SafeAILab/EAGLE checkout (holds eagle/model/cnets.py)
@@ -90,14 +92,7 @@ def _embedding(target):
 
 
 def _write(path, state, config, fmt="safetensors"):
-  os.makedirs(path, exist_ok=True)
-  if fmt == "bin":
-    torch.save({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
-               os.path.join(path, "pytorch_model.bin"))
-  else:
-    from safetensors.numpy import save_file
-    save_file({k: np.ascontiguousarray(v) for k, v in state.items()},
-              os.path.join(path, "model.safetensors"))
+  _write_state(path, state, fmt)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(config, f)
 

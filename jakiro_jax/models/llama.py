@@ -73,16 +73,21 @@ def matmul_out_in(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
                             precision=dot_precision(w, x2))  # [out..., M]
     return jnp.moveaxis(y, -1, 0)  # [M, out...]
 
-  rows, width = x2.shape[0], math.prod(x2.shape[1:])
-  if small_rows.applies(rows, width, (x2.dtype, w.dtype)):
-    # few rows on a CPU: the weight read once, every sum in the decode step's order
-    y = jax.lax.platform_dependent(
-        x2, w, default=xla_dot,
-        cpu=lambda x2, w: small_rows.small_row_matmul(
-            x2.reshape(rows, width), w.reshape(-1, width)).reshape((rows,) + out_shape))
-  else:
-    y = xla_dot(x2, w)
+  y = small_rows_or(xla_dot, x2, w, x2.shape[0], (x2.shape[0],) + out_shape)
   return y.reshape(lead + out_shape)
+
+
+def small_rows_or(xla_dot, x: jax.Array, w: jax.Array, rows: int, out_shape) -> jax.Array:
+  """`xla_dot(x, w)` of shape `out_shape`, or on a CPU with few `rows` the small-row matmul
+  (`kernels/small_rows.py`: the weight read once, every sum in the decode step's order)
+  over x as `[rows, in]` and w as `[out, in]` (the in axes last in both)."""
+  width = math.prod(x.shape) // max(rows, 1)
+  if not small_rows.applies(rows, width, (x.dtype, w.dtype)):
+    return xla_dot(x, w)
+  return jax.lax.platform_dependent(
+      x, w, default=xla_dot,
+      cpu=lambda x, w: small_rows.small_row_matmul(
+          x.reshape(rows, width), w.reshape(-1, width)).reshape(out_shape))
 
 
 class RMSNorm(nn.Module):
@@ -449,14 +454,8 @@ class Llama(nn.Module):
       return jnp.einsum("...D,VD->...V", features, head,
                         precision=dot_precision(features, head))
 
-    rows, width = math.prod(features.shape[:-1]), features.shape[-1]
-    if small_rows.applies(rows, width, (features.dtype, head.dtype)):
-      logits = jax.lax.platform_dependent(  # as `matmul_out_in`
-          features, head, default=xla_dot,
-          cpu=lambda f, h: small_rows.small_row_matmul(f.reshape(rows, width), h).reshape(
-              f.shape[:-1] + h.shape[:1]))
-    else:
-      logits = xla_dot(features, head)
+    logits = small_rows_or(xla_dot, features, head, math.prod(features.shape[:-1]),
+                           features.shape[:-1] + head.shape[:1])
     return logits.astype(jnp.float32)
 
 
