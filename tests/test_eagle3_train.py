@@ -350,6 +350,21 @@ def test_a_set_of_more_streams_trains_a_method_on_its_own(tiny_target, eagle3_se
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("method", ["eagle2", "jakiro", "gumiho"])
+def test_every_method_on_fused_streams_validates(tiny_target, eagle3_set, tmp_path, method):
+  """Validation reads the training features (fused streams and the final norm's output)
+  and each method's chain drafts from the fused part: a run with validation rows ends with
+  an acceptance record, for the methods whose chains are their own too."""
+  target_dir, _ = tiny_target
+  eagle3_dir, _ = eagle3_set
+  config = _config(f"configs/smollm2_135m_{method}.py", _tiny_overrides(
+      target_dir, method, num_steps=1, tensorboard=False, vocab_subset=16, eval_rows=4,
+      **{"draft.features": "fused"}, **({"draft.mlp_num": 2} if method == "gumiho" else {})))
+  result = train(config, eagle3_dir, tmp_path / method)
+  assert result.evals and result.evals[-1]["starts"] > 0
+  assert result.evals[-1]["tau"] >= 1.0
+
+
 def test_resume_continues_exactly_with_the_checkpoints_draft_vocab(
     sharp_target, eagle3_set, tmp_path, monkeypatch):
   """A run stopped after checkpoint 2 (its later checkpoints gone, as a kill leaves it)

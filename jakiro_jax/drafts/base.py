@@ -316,7 +316,6 @@ class DraftHead:
 
   def validation_chain(self, params, head: TargetHead, input_ids, features):
     """Top-1 drafted tokens `[K, B, T]` for every start t (`train/metrics.py`)."""
-    features = self.draft_features(features)
     chain = Chain(self, params, head, input_ids, features, self.chain_steps())
     hidden = chain.context()
     tokens = [chain.argmax(hidden)]
@@ -355,7 +354,9 @@ class Chain:
 
   def __init__(self, drafter, params, head, input_ids, features, steps: int):
     self.drafter, self.params, self.head = drafter, params, head
-    self.input_ids, self.features = input_ids, features
+    # Training features (fused drafts: their streams and the final norm's output) -> what
+    # the draft reads, here so that every method's validation chain gets it.
+    self.input_ids, self.features = input_ids, drafter.draft_features(features)
     self.batch, self.length = input_ids.shape
     self.cache = drafter.new_cache(self.batch, (steps + 1) * self.length)
 

@@ -247,7 +247,6 @@ class Eagle3Drafter(Eagle2Drafter):
 
   def validation_chain(self, params, head: TargetHead, input_ids, features):
     """Top-1 drafted target ids `[K, B, T]` for every start t (`train/metrics.py`)."""
-    features = self.draft_features(features)
     chain = Chain(self, params, head, input_ids, features, self.chain_steps())
     hidden = chain.context()
     tokens = [self.draft_argmax(params, hidden)]
