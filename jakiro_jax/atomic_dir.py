@@ -6,8 +6,9 @@ weights. So every export writes into `.NAME.partial-*` beside NAME and renames i
 place when complete; a non-empty NAME is refused unless `overwrite`, and then it is removed
 only after the new directory is complete, so a failed export loses nothing.
 
-Each export lists the files it wrote in `.jakiro_jax_files.json`: `overwrite` replaces only
-those (other files need `force`). Temporaries are named after their host and process, so a
+Each export records the files it wrote, with their sha256, in `.jakiro_jax_files.json`
+(`integrity.RECORD`, checked by every loader): `overwrite` replaces only those (other files
+need `force`). Temporaries are named after their host and process, so a
 later export removes those of a killed one, and puts back a previous directory that a kill
 between the two renames of the swap left aside.
 """
@@ -22,17 +23,18 @@ import shutil
 import socket
 import uuid
 
-from jakiro_jax.integrity import apply_umask
+from jakiro_jax.integrity import RECORD, apply_umask, write_record
 
-MANIFEST = ".jakiro_jax_files.json"  # the files an export wrote, so --overwrite knows them
+MANIFEST = RECORD  # the files an export wrote and their sha256: --overwrite knows them
 
 
 def _our_files(out_dir: str) -> set[str]:
-  """Relative paths an earlier export listed in its manifest (none without one)."""
+  """Relative paths an earlier export listed in its record (a list of names before
+  records held digests; none without one)."""
   try:
     with open(os.path.join(out_dir, MANIFEST)) as f:
       listed = json.load(f)
-    return set(listed) if isinstance(listed, list) else set()
+    return set(listed) if isinstance(listed, (list, dict)) else set()
   except (OSError, ValueError):
     return set()
 
@@ -134,7 +136,8 @@ def clean_stale(out_dir: str | os.PathLike) -> list[str]:
 
 @contextlib.contextmanager
 def atomic_dir(out_dir: str | os.PathLike, overwrite: bool = False, force: bool = False):
-  """Yields an empty temporary directory beside `out_dir`; on a clean exit it becomes
+  """Yields an empty temporary directory beside `out_dir`; on a clean exit its record
+  (`integrity.write_record`: the sha256 of every file written) is added and it becomes
   `out_dir` (the old one, if any, is removed after the swap), on an error it is deleted
   and `out_dir` is left as it was. Temporaries a killed export left beside `out_dir` are
   removed first."""
@@ -148,8 +151,7 @@ def atomic_dir(out_dir: str | os.PathLike, overwrite: bool = False, force: bool 
   os.mkdir(tmp)
   try:
     yield tmp
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
-      json.dump(_files_under(tmp), f, indent=1)
+    write_record(tmp)
     apply_umask(tmp)  # some writers create 0600 files: others on the machine read drafts
     check_destination(out_dir, overwrite, force=force)  # again: something may have written
     _swap_in(tmp, out_dir)

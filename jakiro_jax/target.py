@@ -81,9 +81,9 @@ def target_from_state_dict(hf_config: Mapping[str, Any], state: Mapping[str, np.
 
 def load_target(source: str | os.PathLike = "smollm2", dtype: str = "float32",
                 with_tokenizer: bool = True, allow_nonfinite: bool = False) -> Target:
-  """Loads `"smollm2"`, a HF model directory, or a `.gguf` file. Weight files that differ
-  from the sha256 recorded beside them, and tensors holding NaN/Inf (unless
-  `allow_nonfinite`), are refused by name."""
+  """Loads `"smollm2"`, a HF model directory, or a `.gguf` file. Files of a directory that
+  differ from its integrity record (`jakiro_jax/integrity.py`), and tensors holding NaN/Inf
+  (unless `allow_nonfinite`), are refused by name."""
   source = os.fspath(source)
   if source in EMBEDDED_TARGETS:
     from jakiro_jax.models.embedded import smollm2_gguf_path
@@ -107,6 +107,7 @@ def _load_gguf(path, dtype, with_tokenizer, name, allow_nonfinite=False) -> Targ
 def _load_hf_dir(model_dir: str, dtype: str, with_tokenizer: bool,
                  allow_nonfinite: bool = False) -> Target:
   import json
+  convert.verify_hf_dir(model_dir)  # before any file is read: damage is named as such
   load_hf_config(model_dir, dtype)  # validates the config first, with a clear error
   with open(os.path.join(model_dir, "config.json")) as f:
     hf_config = json.load(f)

@@ -12,9 +12,10 @@ calibration prompts (`write_prior`, run by `python -m launch.generate --config=C
 --method=METHOD --write_tuning_prior`). It is used only where it matches exactly
 (`prior_key`: grid version, draft weights, target config and dtype, calibration prompts,
 sampling; per candidate, the drafter's tree and options); a prior for another setting
-(e.g. T > 0) is not used, and an unreadable or stale one is ignored with a warning. Where
-fp32 matmuls round differently (TF32 on some GPUs) tau may differ by a little;
-`use_prior=False` (`--retune`) calibrates it there. Candidates go smallest first:
+(e.g. T > 0) is not used, and an unreadable, stale or damaged one (it differs from the
+draft directory's integrity record) is ignored with a warning. Where fp32 matmuls round
+differently (TF32 on some GPUs) tau may differ by a little; `use_prior=False` (`--retune`)
+calibrates it there. Candidates go smallest first:
 
 1. the AR decode step is timed;
 2. a candidate with a prior tau is first bounded by the target forward over its N nodes (a
@@ -46,6 +47,7 @@ from typing import Any, Sequence
 
 import jax
 
+from jakiro_jax import integrity
 from jakiro_jax.drafts import io as draft_io
 from jakiro_jax.kernels import small_rows
 from jakiro_jax.drafts.registry import json_value, option_fields
@@ -231,14 +233,22 @@ def draft_directory(target_name: str, method: str, draft: str | None) -> str | N
 
 
 def draft_weights_digest(directory: str | None) -> dict | None:
-  """The sha256 of the draft's weight files as recorded in its `draft.json` (checked
-  against the files when the draft loads); None without a directory or a record."""
+  """{weight file: sha256} of the draft as its directory's integrity record holds it
+  (checked against the files when the draft loads; older drafts kept it in `draft.json`);
+  None without a directory or a record."""
   if directory is None:
     return None
   try:
+    record = integrity.read_record(directory) or {}
+  except ValueError:  # a damaged record: the draft itself will not load
+    return None
+  weights = {name: digest for name, digest in record.items() if name.endswith(".safetensors")}
+  if weights:
+    return weights
+  try:
     with open(os.path.join(directory, "draft.json")) as f:
       return json.load(f).get("sha256")
-  except (OSError, ValueError):
+  except (OSError, ValueError, AttributeError):
     return None
 
 
@@ -314,6 +324,11 @@ def read_prior(directory: str | None, key: dict) -> dict[str, float] | None:
     logging.warning("ignoring tree tuning prior %s: %s; calibrating instead (`%s` measures "
                     "it again)", path, reason, PRIOR_COMMAND)
 
+  try:  # a prior the draft's record lists must match it (one moved in is judged by its key)
+    if PRIOR_FILE in (integrity.read_record(directory) or {}):
+      integrity.verify_dir(directory, [PRIOR_FILE])
+  except ValueError as e:
+    return ignore(str(e))
   try:
     with open(path) as f:
       data = json.load(f)
@@ -344,14 +359,15 @@ def write_prior(target, method: str, directory: str, *, loaded: Any,
   .json`, the prior `tune_tree` reads for this draft. Returns what it wrote.
 
   loaded: the draft's `(drafter, params)` as the main job builds it (its options become the
-  candidates' keys); directory: the draft's own (its `draft.json` names the weights)."""
+  candidates' keys); directory: the draft's own (its integrity record names the weights,
+  and gets the prior's entry)."""
   from tqdm import tqdm
 
   drafter, params = loaded
   weights = draft_weights_digest(directory)
   if weights is None:
-    raise ValueError(f"{directory} records no weight digest in draft.json: a prior there "
-                     f"could not be matched to its weights")
+    raise ValueError(f"{directory} records no weight digest (no integrity record): a prior "
+                     f"there could not be matched to its weights")
   sampling = SamplingConfig()
   prompts = calibration_prompts(target, prompts)
   grid = list(grid) if grid is not None else candidate_grid(drafter)
@@ -371,6 +387,7 @@ def write_prior(target, method: str, directory: str, *, loaded: Any,
   with open(tmp, "w") as f:
     json.dump(prior, f, indent=2)
   os.replace(tmp, path)
+  integrity.record_files(directory, [PRIOR_FILE])
   return prior
 
 

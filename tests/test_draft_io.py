@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 
 import jax
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.io import load_draft, save_draft
+from jakiro_jax.integrity import RECORD, read_record, write_record
 from jakiro_jax.speculative.tree import TreeConfig
 
 
@@ -31,16 +33,20 @@ def test_load_errors(tmp_path, tiny_pair):
     make_drafter("medusa", target.config)
   drafter = make_drafter("eagle2", target.config)
   save_draft(tmp_path, drafter, drafter.init_params(jax.random.PRNGKey(0)))
-  meta = json.loads((tmp_path / "draft.json").read_text())
+  original = (tmp_path / "draft.json").read_text()
+  meta = json.loads(original)
   (tmp_path / "draft.json").write_text(json.dumps(dict(meta, vocab_size=500)))
+  with pytest.raises(ValueError, match="draft.json is damaged: its sha256 differs"):
+    load_draft(tmp_path, target)
+  write_record(tmp_path)  # a draft written that way: its fields are checked
   with pytest.raises(ValueError, match="built for vocab_size=500, the target has 97"):
     load_draft(tmp_path, target)
-  (tmp_path / "draft.json").write_text(json.dumps(meta))
+  (tmp_path / "draft.json").write_text(original)
+  write_record(tmp_path)
   (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
   with pytest.raises(ValueError, match="model.safetensors is damaged: its sha256 differs"):
     load_draft(tmp_path, target)
-  meta.pop("sha256")  # a draft written before digests: the reader still names the file
-  (tmp_path / "draft.json").write_text(json.dumps(meta))
+  os.remove(tmp_path / RECORD)  # a directory without a record: the reader names the file
   with pytest.raises(ValueError, match="corrupt or missing"):
     load_draft(tmp_path, target)
 
@@ -53,6 +59,7 @@ def test_load_refuses_weights_of_another_shape(tmp_path, tiny_pair):
   meta = json.loads((tmp_path / "draft.json").read_text())
   # The same weights declared as a Jakiro draft: names do not match.
   (tmp_path / "draft.json").write_text(json.dumps(dict(meta, method="jakiro", options={})))
+  write_record(tmp_path)  # a draft written that way, not damaged
   with pytest.raises(ValueError, match="does not fit a jakiro draft"):
     load_draft(tmp_path, target)
 
@@ -130,13 +137,13 @@ def test_damaged_or_nonfinite_weights_are_refused_by_name(tmp_path, tiny_pair):
 
 
 def test_exported_target_and_router_are_checked(tmp_path, tiny_pair):
-  from jakiro_jax.models.convert import SHA256, write_hf_dir
+  from jakiro_jax.models.convert import write_hf_dir
   from jakiro_jax.prune.routers import init_router
   from jakiro_jax.prune.train_router import load_router, save_router
   from jakiro_jax.target import load_target
   _, target = tiny_pair
   write_hf_dir(target.config, target.params, tmp_path / "hf")
-  assert json.loads((tmp_path / "hf" / SHA256).read_text()).keys() == {"model.safetensors"}
+  assert read_record(tmp_path / "hf").keys() == {"config.json", "model.safetensors"}
   load_target(tmp_path / "hf", with_tokenizer=False)
   weights = tmp_path / "hf" / "model.safetensors"
   data = bytearray(weights.read_bytes())
@@ -149,10 +156,10 @@ def test_exported_target_and_router_are_checked(tmp_path, tiny_pair):
   write_hf_dir(target.config, nan_params, tmp_path / "inf")
   with pytest.raises(ValueError, match="tensor lm_head.weight holds .* NaN/Inf"):
     load_target(tmp_path / "inf", with_tokenizer=False)
-  # A router's params as stored are covered by its digest.
+  # A router's params as stored are covered by its directory's record.
   save_router(str(tmp_path / "router.json"), init_router(0), [0.1] * target.config.num_layers)
   record = json.loads((tmp_path / "router.json").read_text())
   record["router"]["b2"] = [1.5] if isinstance(record["router"]["b2"], list) else 1.5
   (tmp_path / "router.json").write_text(json.dumps(record))
-  with pytest.raises(ValueError, match="router file .* is damaged"):
+  with pytest.raises(ValueError, match="router.json is damaged"):
     load_router(str(tmp_path / "router.json"))

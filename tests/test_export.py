@@ -19,6 +19,7 @@ import pytest
 from jakiro_jax.drafts import make_drafter
 from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.drafts.io import load_draft, save_draft
+from jakiro_jax.integrity import RECORD
 from jakiro_jax.export import (read_reference_dir, to_reference_state_dict,
                                write_reference_dir, write_target_hf_dir)
 from jakiro_jax.models import llama
@@ -318,7 +319,10 @@ def test_torch_forward_from_exported_state_dict_matches(target, drafts, method):
 
 
 def _write_state(path, state, fmt="safetensors"):
+  """Weights as other code writes them: no integrity record (one there is removed)."""
   os.makedirs(path, exist_ok=True)
+  if os.path.exists(os.path.join(path, RECORD)):
+    os.remove(os.path.join(path, RECORD))
   if fmt == "bin":
     torch.save({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
                os.path.join(path, "pytorch_model.bin"))
@@ -335,6 +339,9 @@ def test_corrupt_or_truncated_files(tmp_path, target, drafts, fmt):
   name = "pytorch_model.bin" if fmt == "bin" else "model.safetensors"
   data = (tmp_path / name).read_bytes()
   (tmp_path / name).write_bytes(data[:len(data) // 2])
+  with pytest.raises(ValueError, match=f"{tmp_path / name} is damaged"):  # the record
+    read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
+  os.remove(tmp_path / RECORD)  # a directory the original code wrote: the reader names it
   with pytest.raises(ValueError, match="corrupt or truncated"):
     read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
   (tmp_path / name).write_bytes(b"not a checkpoint at all" * 10)

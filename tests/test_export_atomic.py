@@ -20,6 +20,7 @@ import pytest
 from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.io import load_draft, save_draft
 from jakiro_jax.export import read_reference_dir, write_reference_dir, write_target_hf_dir
+from jakiro_jax.integrity import RECORD
 from jakiro_jax.models import convert, llama
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.speculative.tree import TreeConfig
@@ -75,8 +76,7 @@ def test_hf_export_twice_refused_then_replaced(tmp_path, targets):
   assert _snapshot(out) == before  # the refusals wrote nothing
   write_target_hf_dir(new, out, overwrite=True)
   assert sorted(os.listdir(out)) == [".jakiro_jax_files.json", "config.json",
-                                     "model.safetensors", "model.safetensors.index.json",
-                                     "sha256.json"]
+                                     "model.safetensors", "model.safetensors.index.json"]
   loaded = load_target(out, with_tokenizer=False)
   _assert_same_params(loaded.params, new.params)
   _assert_differ(loaded.params, old.params)
@@ -91,7 +91,7 @@ def test_sharded_old_model_replaced_by_a_single_file(tmp_path, targets):
   assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()
   convert.write_hf_dir(CFG, new.params, out, overwrite=True)  # one file, no index
   assert sorted(os.listdir(out)) == [".jakiro_jax_files.json", "config.json",
-                                     "model.safetensors", "sha256.json"]
+                                     "model.safetensors"]
   loaded = load_target(out, with_tokenizer=False)
   _assert_same_params(loaded.params, new.params)
   # And the other way: a single file replaced by shards keeps no model.safetensors.
@@ -108,6 +108,7 @@ def test_stale_files_beside_an_index_are_refused(tmp_path, targets):
   convert.write_hf_dir(CFG, old.params, out, max_shard_bytes=SHARDED)
   convert.write_hf_dir(CFG, new.params, tmp_path / "single")
   os.replace(tmp_path / "single" / "model.safetensors", out / "model.safetensors")
+  os.remove(out / RECORD)  # the old writer kept no integrity record
   with pytest.raises(ValueError, match="holds model.safetensors, which "
                      r"model.safetensors.index.json does not list \(left over"):
     load_target(out, with_tokenizer=False)
@@ -136,6 +137,9 @@ def test_index_that_disagrees_with_its_shards_is_refused(tmp_path, targets):
     index_path.write_text(json.dumps(dict(index, weight_map=wm)))
 
   write(dict(weight_map, **{moved: second}))  # the tensor is in `first`, not `second`
+  with pytest.raises(ValueError, match=f"{index_path} is damaged"):  # caught by the record
+    load_target(out, with_tokenizer=False)
+  os.remove(out / RECORD)  # an index edited in a directory without a record
   with pytest.raises(ValueError, match=rf"{first} disagrees with model.safetensors.index.json "
                      rf"\(stale or corrupted index\?\): it holds tensors the index maps to "
                      rf"other files \['{moved}'\]"):

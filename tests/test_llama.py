@@ -191,7 +191,7 @@ def test_bad_configs_and_state_dicts_raise(tmp_path, tiny_pair):
     f.truncate(1000)
   with pytest.raises(ValueError, match="model.safetensors is damaged: its sha256 differs"):
     load_target(tmp_path / "ok")
-  os.remove(tmp_path / "ok" / "sha256.json")  # a directory written elsewhere: no digests
+  os.remove(tmp_path / "ok" / ".jakiro_jax_files.json")  # written elsewhere: no record
   with pytest.raises(ValueError, match="corrupt or truncated"):
     load_target(tmp_path / "ok")
 

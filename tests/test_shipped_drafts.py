@@ -23,12 +23,14 @@ PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold 
            "Give three tips for staying healthy."]
 
 
-def test_a_draft_ships_for_every_method(smollm2):
+def test_a_draft_ships_for_every_method(smollm2, caplog):
   assert {f"smollm2-{m}" for m in METHODS} <= set(SHIPPED_DRAFTS)
   for method in METHODS:  # each loads for the embedded target, finite, as its method
-    drafter, params = load_draft(f"smollm2-{method}", smollm2)
+    with caplog.at_level("WARNING"):  # checked against its integrity record, silently
+      drafter, params = load_draft(f"smollm2-{method}", smollm2)
     assert drafter.name == method and drafter.draft_vocab
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+  assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
 
 
 # Jakiro's shipped draft by default; the others with -m slow (~35-55 s each of SmolLM2).

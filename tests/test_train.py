@@ -573,14 +573,34 @@ def _damage(step_dir, kind: str) -> None:
     raise ValueError(kind)
 
 
+def _damage_meta(step_dir, field: str) -> None:
+  """Changes one value of a checkpoint's meta as bad storage may, the JSON still decoding."""
+  path = os.path.join(step_dir, "meta", "metadata")
+  with open(path) as f:
+    meta = json.load(f)
+  if field == "vocab_subset":  # one id to its neighbour (8157 -> 8158 in a real subset)
+    ids = meta["vocab_subset"]
+    i = next(i for i, t in enumerate(ids) if t + 1 not in ids and t + 1 < 97)
+    ids[i] += 1
+  elif field == "position":
+    meta["position"][1] += 1
+  elif field == "setting":
+    meta["settings"]["noise_std"] += 0.25
+  else:
+    raise ValueError(field)
+  with open(path, "w") as f:
+    json.dump(meta, f)
+
+
 @pytest.fixture(scope="module")
 def finished_run(tiny_target, feature_set, tmp_path_factory):
-  """(config, data dir, run dir) of a whole 8-step EAGLE-2 run keeping checkpoints 4, 6, 8."""
+  """(config, data dir, run dir) of a whole 8-step EAGLE-2 run keeping checkpoints 4, 6, 8;
+  its final draft drafts from the run's 16-token vocab subset."""
   target_dir, _ = tiny_target
   data_dir, _ = feature_set
   config = _config("configs/smollm2_135m_eagle2.py", _tiny_overrides(
       target_dir, "eagle2", num_steps=8, save_every=2, keep_checkpoints=3,
-      tensorboard=False, vocab_subset=0))
+      tensorboard=False, vocab_subset=16, draft_vocab=True))
   out = tmp_path_factory.mktemp("whole") / "run"
   result = train(config, data_dir, out)
   assert sorted(os.listdir(out / "checkpoints")) == ["4", "6", "8"]
@@ -605,25 +625,87 @@ def test_resume_sets_a_damaged_checkpoint_aside(finished_run, tmp_path, kind):
     assert np.array_equal(np.asarray(got), np.asarray(want))  # as if resumed from 6
 
 
-def test_checkpoint_checksums_catch_values_that_still_decode(tmp_path):
-  from jakiro_jax.train.checkpoints import CheckpointDamaged, TrainCheckpoints
+@pytest.mark.parametrize("field", ["vocab_subset", "position", "setting"])
+def test_resume_sets_a_checkpoint_with_damaged_meta_aside(finished_run, tmp_path, field):
+  """A meta value changed on disk that still decodes (a vocab subset id, the data
+  position, a setting) fails the checkpoint's record: set aside, and the run ends with the
+  bits and the draft vocabulary of a resume from the checkpoint before."""
+  import shutil
+  config, data_dir, whole, reference = finished_run
+  out = tmp_path / "run"
+  shutil.copytree(whole, out)
+  _damage_meta(out / "checkpoints" / "8", field)
+  said = []
+  resumed = train(config, data_dir, out, resume=True, log=said.append)
+  meta_file = out / "checkpoints" / "8" / "meta" / "metadata"
+  assert said[0].startswith(f"checkpoint 8 in {out / 'checkpoints'} is damaged "
+                            f"(CheckpointDamaged: {meta_file} is damaged"), said[:2]
+  assert len(said[0].splitlines()) == 1 and "resumed at step 6" in said[1]
+  assert os.path.isdir(out / "checkpoints" / "8.damaged")
+  for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference)):
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+  shipped = json.loads((out / "draft" / "draft.json").read_text())["options"]["draft_vocab"]
+  assert shipped == json.loads((whole / "draft" / "draft.json").read_text())[
+      "options"]["draft_vocab"]
+
+
+def test_resume_sets_an_inconsistent_checkpoint_aside(finished_run, tmp_path):
+  """A checkpoint whose files match its record but whose data position is not its step's
+  (written so by a fault) is set aside too, not an input error."""
+  import shutil
+  from jakiro_jax.integrity import write_record
+  config, data_dir, whole, reference = finished_run
+  out = tmp_path / "run"
+  shutil.copytree(whole, out)
+  _damage_meta(out / "checkpoints" / "8", "position")
+  write_record(out / "checkpoints" / "8")
+  said = []
+  resumed = train(config, data_dir, out, resume=True, log=said.append)
+  assert said[0].startswith(f"checkpoint 8 in {out / 'checkpoints'} is damaged "
+                            f"(CheckpointDamaged: inconsistent: step 8, position"), said[:2]
+  assert "resumed at step 6" in said[1]
+  for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference)):
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_checkpoint_record_covers_state_and_meta(tmp_path, caplog):
+  import shutil
+  from jakiro_jax.integrity import RECORD, read_record
+  from jakiro_jax.train.checkpoints import (CheckpointDamaged, TrainCheckpoints,
+                                            state_checksums)
   state = {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "step": jnp.int32(5),
            "rng": jax.random.PRNGKey(1), "half": jnp.ones(3, jnp.bfloat16)}
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   checkpoints = TrainCheckpoints(tmp_path / "ckpt")
-  checkpoints.save(5, state, {"step": 5})
-  restored, meta = checkpoints.restore(5, jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
-  assert len(meta["checksums"]) == 4
+  checkpoints.save(5, state, {"step": 5, "position": [0, 5]})
+  step_dir = tmp_path / "ckpt" / "5"
+  listed = read_record(step_dir)
+  assert "meta/metadata" in listed and any(n.startswith("state/") for n in listed)
+  restored, meta = checkpoints.restore(5, abstract)
+  assert meta == {"step": 5, "position": [0, 5]}  # no per-leaf checksums any more
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     assert np.array_equal(np.asarray(got), np.asarray(want))
-  # One element changed on disk and still decoding reads as other values: caught.
-  meta_file = tmp_path / "ckpt" / "5" / "meta" / "metadata"
-  saved = json.loads(open(meta_file).read())
-  saved["checksums"][1] = (saved["checksums"][1] + 1) % 2**32
-  with open(meta_file, "w") as f:
-    json.dump(saved, f)
-  with pytest.raises(CheckpointDamaged, match="values differ"):
-    checkpoints.restore(5)
+  pristine = tmp_path / "pristine"
+  shutil.copytree(step_dir, pristine)
+  # A meta value changed on disk, still decoding: named.
+  (step_dir / "meta" / "metadata").write_text(json.dumps({"step": 5, "position": [0, 6]}))
+  with pytest.raises(CheckpointDamaged, match=f"{step_dir / 'meta' / 'metadata'} is damaged"):
+    checkpoints.restore(5, abstract)
+  # A checkpoint from before records: a warning, and the checksums its meta holds still
+  # catch values that differ.
+  shutil.rmtree(step_dir)
+  shutil.copytree(pristine, step_dir)
+  os.remove(step_dir / RECORD)
+  sums = state_checksums(state)
+  sums[1] = (sums[1] + 1) % 2**32
+  (step_dir / "meta" / "metadata").write_text(json.dumps({"step": 5, "checksums": sums}))
+  with caplog.at_level("WARNING", logger="jakiro_jax.integrity"):
+    with pytest.raises(CheckpointDamaged, match="values differ"):
+      checkpoints.restore(5, abstract)
+  assert [r.getMessage() for r in caplog.records] == [
+      f"{step_dir} has no integrity record ({RECORD} is missing): its files are not "
+      f"checked for damage"]
   checkpoints.close()
 
 

@@ -229,6 +229,9 @@ def test_prior_replaces_calibration_for_its_draft(saved_draft, tmp_path, monkeyp
                                   progress=False)
   taus = [row["tau"] for row in prior["candidates"]]
   assert len(taus) == 2 and all(t >= 1.0 for t in taus)
+  from jakiro_jax.integrity import read_record  # the draft's record covers its prior
+  assert set(read_record(directory)) == {"draft.json", "model.safetensors",
+                                         tree_tuning.PRIOR_FILE}
   calls = []
   monkeypatch.setattr(tree_tuning, "generate", _fake_generate(calls))
   # AR very slow: both trees are timed and win on the prior's tau, none is calibrated.
@@ -323,9 +326,11 @@ def test_prior_is_not_used_where_it_does_not_apply(saved_draft, tmp_path, monkey
     assert warned == []
 
 
-@pytest.mark.parametrize("corruption", ["not json", "no key", "bad tau", "old grid"])
+@pytest.mark.parametrize("corruption", ["not json", "no key", "bad tau", "old grid",
+                                        "damaged"])
 def test_a_corrupt_or_stale_prior_is_ignored_with_a_warning(saved_draft, tmp_path,
                                                             monkeypatch, caplog, corruption):
+  from jakiro_jax.integrity import record_files
   target, drafter, params, directory = saved_draft
   prior = tree_tuning.write_prior(target, "eagle2", directory, loaded=(drafter, params),
                                   grid=PRIOR_GRID, prompts=PRIOR_PROMPTS, max_new_tokens=8,
@@ -336,13 +341,15 @@ def test_a_corrupt_or_stale_prior_is_ignored_with_a_warning(saved_draft, tmp_pat
   else:
     if corruption == "no key":
       del prior["key"]
-    elif corruption == "bad tau":
-      prior["candidates"][1]["tau"] = 0.5
+    elif corruption in ("bad tau", "damaged"):
+      prior["candidates"][1]["tau"] = 0.5 if corruption == "bad tau" else 9.25
     else:
       prior["key"]["grid_version"] = tree_tuning.GRID_VERSION - 1
     text = json.dumps(prior)
   with open(path, "w") as f:
     f.write(text)
+  if corruption != "damaged":  # a prior written so; a damaged one differs from the record
+    record_files(directory, [tree_tuning.PRIOR_FILE])
   calls = []
   monkeypatch.setattr(tree_tuning, "generate", _fake_generate(calls))
   monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1e6)
@@ -352,7 +359,7 @@ def test_a_corrupt_or_stale_prior_is_ignored_with_a_warning(saved_draft, tmp_pat
   warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
   assert len(warned) == 1 and path in warned[0] and "--write_tuning_prior" in warned[0]
   expected = {"not json": "unreadable", "no key": "unreadable", "bad tau": "tau must be",
-              "old grid": "grid_version"}[corruption]
+              "old grid": "grid_version", "damaged": f"{path} is damaged"}[corruption]
   assert expected in warned[0]
 
 

@@ -1,7 +1,9 @@
 """Saving and loading drafts in our own layout: `draft.json` + `model.safetensors`.
 
 Parameter names are the params-pytree paths joined with '/'. The target's embedding and
-lm_head are never stored. (The original PyTorch layouts are handled by the export module.)
+lm_head are never stored. Both files are covered by the directory's integrity record
+(`jakiro_jax/integrity.py`). (The original PyTorch layouts are handled by the export
+module.)
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from jakiro_jax.drafts.registry import (get, has_params, inference_options, make
 from jakiro_jax.models.config import read_json
 from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.atomic_dir import atomic_dir, check_destination
-from jakiro_jax.integrity import check_digests, check_finite, digests
+from jakiro_jax.integrity import check_finite, verify_dir
+
+DRAFT_FILES = ("draft.json", "model.safetensors")  # what `load_draft` reads
 
 _ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "drafts")
 # "<target>-<method>" -> package-relative directory: every draft under assets/drafts.
@@ -63,9 +67,9 @@ def _unflatten(flat):
 
 def save_draft(out_dir, drafter, params, dtype: str | None = None,
                overwrite: bool = False, force: bool = False) -> None:
-  """Writes `draft.json` + `model.safetensors` (params cast to `dtype` if given), all at
-  once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused unless `overwrite`,
-  and then replaced whole only once the new directory is complete."""
+  """Writes `draft.json` + `model.safetensors` (params cast to `dtype` if given) and their
+  record, all at once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused
+  unless `overwrite`, and then replaced whole only once the new directory is complete."""
   from safetensors.numpy import save_file
 
 
@@ -81,7 +85,6 @@ def save_draft(out_dir, drafter, params, dtype: str | None = None,
                    "total_tokens": drafter.tree.total_tokens}}
   with atomic_dir(out_dir, overwrite, force) as tmp:
     save_file(flat, os.path.join(tmp, "model.safetensors"))
-    meta["sha256"] = digests(tmp, ["model.safetensors"])
     with open(os.path.join(tmp, "draft.json"), "w") as f:
       json.dump(meta, f, indent=2)
 
@@ -91,15 +94,19 @@ def load_draft(source, target, tree: TreeConfig | None = None,
   """Returns `(drafter, params)` for a draft directory (or a shipped draft's name).
 
   `tree` and `overrides` (inference-time drafter options, e.g. Gumiho's mlp_topk) replace
-  what the draft was saved with; the drafter is validated with them applied. The weight
-  file must match the sha256 in `draft.json` and hold no NaN/Inf (`allow_nonfinite`).
+  what the draft was saved with; the drafter is validated with them applied. Both files
+  must match the directory's record (`integrity.verify_dir`) and the weights hold no
+  NaN/Inf (`allow_nonfinite`).
   """
   from safetensors import SafetensorError
   from safetensors.numpy import load_file
 
   source = draft_path(source)
-  meta = read_json(os.path.join(source, "draft.json"),
-                   f"{source} is not a draft directory (no draft.json)")
+  meta_path = os.path.join(source, "draft.json")
+  if not os.path.isfile(meta_path):
+    raise FileNotFoundError(f"{source} is not a draft directory (no draft.json)")
+  verify_dir(source, DRAFT_FILES, _older_digests(meta_path), meta_path)
+  meta = read_json(meta_path, f"{source} is not a draft directory (no draft.json)")
   for field, ours in (("hidden_size", target.config.hidden_size),
                       ("vocab_size", target.config.vocab_size)):
     if meta.get(field) != ours:
@@ -111,7 +118,6 @@ def load_draft(source, target, tree: TreeConfig | None = None,
              for k, v in meta.get("options", {}).items()}
   options.update(overrides or {})
   drafter = make_drafter(meta["method"], target.config, tree, **options)
-  check_digests(source, meta.get("sha256"), os.path.join(source, "draft.json"))
   try:
     flat = load_file(os.path.join(source, "model.safetensors"))
   except (SafetensorError, OSError) as e:
@@ -126,6 +132,16 @@ def load_draft(source, target, tree: TreeConfig | None = None,
   check_finite(flat, f"draft {source}", allow_nonfinite)
   params = jax.tree.map(lambda a: jax.numpy.asarray(a, target.config.dtype), _unflatten(flat))
   return drafter, params
+
+
+def _older_digests(meta_path: str) -> dict | None:
+  """The weights' sha256 that drafts saved before directory records kept in draft.json."""
+  try:
+    with open(meta_path) as f:
+      found = json.load(f).get("sha256")
+  except (OSError, ValueError, AttributeError):
+    return None
+  return found if isinstance(found, dict) else None
 
 
 def resolve_draft(target, method: str, draft: str | None, tree, seed: int = 0,

@@ -3,7 +3,10 @@
 Weights go to `pytorch_model.bin` (torch.save of a name -> tensor dict; needs torch) and/or
 `model.safetensors` (no torch). The original loaders read `.bin` first when both exist
 (some read only `.bin`: their layout's `formats`). config.json holds only the fields those
-loaders read; each method's `TorchLayout` adds its own.
+loaders read; each method's `TorchLayout` adds its own. Like every directory we write, it
+holds an integrity record (`jakiro_jax/integrity.py`), which `read_reference_dir` checks:
+an import of a damaged export fails naming the file instead of recording the damaged
+bytes as a new draft.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from jakiro_jax.drafts import registry
 import jakiro_jax.drafts.torch_layout as tl
 from jakiro_jax.models.config import read_json
 from jakiro_jax.atomic_dir import atomic_dir, check_destination
+from jakiro_jax.integrity import verify_dir
 from jakiro_jax.models.convert import _load_safetensors_any_dtype
 
 log = logging.getLogger(__name__)
@@ -250,17 +254,21 @@ def _check_config(config: Mapping, cfg, path: str, rope_theta: float | None = No
 def read_reference_dir(src_dir, method: str, target, tree=None, **options):
   """A reference draft directory -> `(drafter, params)` for `target`.
 
-  Validates config.json against the target and the weight names and shapes against the
-  drafter (unknown, missing or mis-shaped keys are a ValueError listing them). The stored
-  `embed_tokens.weight` is checked against the target's and dropped. `options`: drafter
-  options that replace what the checkpoint says, and the layout's `import_options` (eagle3:
-  `layer_id_convention`, see `drafts/eagle3_layout.py`).
+  Checks the directory against its integrity record first (one written elsewhere, without
+  a record, is read with a warning naming it). Validates config.json against the target
+  and the weight names and shapes against the drafter (unknown, missing or mis-shaped keys
+  are a ValueError listing them). The stored `embed_tokens.weight` is checked against the
+  target's and dropped. `options`: drafter options that replace what the checkpoint says,
+  and the layout's `import_options` (eagle3: `layer_id_convention`, see
+  `drafts/eagle3_layout.py`).
   """
   layout = registry.get(method).torch_layout
   if layout is None:
     raise ValueError(f"draft method {method!r} has no PyTorch layout to import")
   src_dir = os.fspath(src_dir)
   config_path = os.path.join(src_dir, "config.json")
+  if os.path.isdir(src_dir):
+    verify_dir(src_dir)
   config = read_json(config_path, f"{src_dir} is not a draft directory (no config.json)")
   state, path = read_state_dict(src_dir)
   state = layout.normalize_keys(state)

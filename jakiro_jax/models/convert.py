@@ -17,7 +17,7 @@ import numpy as np
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.tokenizer_files import make_tokenizer_files_portable
 from jakiro_jax.atomic_dir import atomic_dir
-from jakiro_jax.integrity import check_digests, digests
+from jakiro_jax.integrity import verify_dir
 from jakiro_jax.models.config import read_json
 
 _HF_LAYER = "model.layers.{i}."
@@ -200,8 +200,20 @@ def params_to_hf(cfg: LlamaConfig, variables: Mapping) -> dict[str, np.ndarray]:
 
 
 INDEX = "model.safetensors.index.json"
-SHA256 = "sha256.json"  # {weight file: sha256}, written by `write_hf_dir`, checked on read
+# {weight file: sha256} that exports wrote before directories held an integrity record
+LEGACY_SHA256 = "sha256.json"
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+
+
+def verify_hf_dir(model_dir: str | os.PathLike) -> None:
+  """Checks a HF directory against its integrity record (`integrity.verify_dir`; an older
+  export's `sha256.json` covers its weights); one without either loads with a warning."""
+  legacy_path = os.path.join(model_dir, LEGACY_SHA256)
+  legacy = None
+  if os.path.isfile(legacy_path):
+    legacy = read_json(legacy_path, "")
+  verify_dir(model_dir, legacy=legacy if isinstance(legacy, dict) else None,
+             legacy_file=legacy_path)
 
 
 def read_safetensors_dir(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -238,9 +250,6 @@ def read_safetensors_dir(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
                        f"which is the model is unclear; remove the stale files")
   else:
     raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor {INDEX}")
-  if SHA256 in present:
-    check_digests(model_dir, read_json(os.path.join(model_dir, SHA256), ""),
-                  os.path.join(model_dir, SHA256))
   state = {}
   for name in files:
     path = os.path.join(model_dir, name)
@@ -307,8 +316,9 @@ def write_hf_dir(cfg: LlamaConfig, variables: Mapping, out_dir: str | os.PathLik
 
   `model.safetensors.index.json` is written for a sharded model, and with `always_index`
   for a single file too (the original draft code reads the base embedding through it).
-  All at once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused unless
-  `overwrite`, and then replaced whole, so no file of an older model stays beside the new.
+  All at once (`jakiro_jax/atomic_dir.py`), with the directory's integrity record: a
+  non-empty `out_dir` is refused unless `overwrite`, and then replaced whole, so no file of
+  an older model stays beside the new.
   """
   from safetensors.numpy import save_file
 
@@ -329,8 +339,6 @@ def write_hf_dir(cfg: LlamaConfig, variables: Mapping, out_dir: str | os.PathLik
   with atomic_dir(out_dir, overwrite, force) as tmp:
     for name, shard in zip(names, shards):
       save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
-    with open(os.path.join(tmp, SHA256), "w") as f:
-      json.dump(digests(tmp, names), f, indent=2)
     if len(shards) > 1 or always_index:
       weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
       total = sum(a.nbytes for a in state.values())

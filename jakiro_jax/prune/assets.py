@@ -5,7 +5,7 @@ subset.
 schedule the router was trained and evaluated with, and the searched static schedule
 (`searched_schedule`); `load_shipped(name)` reads it. `<name>/schedule.json` is a searched
 schedule alone (`launch.prune --mode=search`'s record); `static_schedule(name)` reads
-either.
+either. Each directory's integrity record (`jakiro_jax/integrity.py`) covers its file.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def static_schedule(spec: str, num_layers: int) -> tuple[float, ...] | None:
     raise ValueError(f"schedule {spec!r} is not 'dense', 'uniform:S', a shipped schedule "
                      f"({', '.join(shipped_schedules())}) or a schedule.json / router.json "
                      f"file")
+  from jakiro_jax.integrity import verify_dir
+  verify_dir(os.path.dirname(os.path.abspath(spec)), [os.path.basename(spec)])
   try:
     with open(spec) as f:
       record = json.load(f)

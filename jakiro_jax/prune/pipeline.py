@@ -11,6 +11,7 @@ import json
 import os
 import time
 
+from jakiro_jax import integrity
 from jakiro_jax.atomic_dir import write_json
 
 # Methods that run the trained router (DIR/router); the others need only a schedule.
@@ -191,6 +192,7 @@ def run_search(config, out_dir, paths) -> None:
                       for name, (_, f) in parts.items()},
             "block_influence": influence.tolist(), "seconds": time.time() - start}
   write_json(os.path.join(out_dir, "schedule.json"), record)
+  integrity.record_files(out_dir, ["schedule.json"])
   print(f"searched schedule (fitness {result['fitness']:.4f}; uniform "
         f"{record['uniform_fitness']:.4f}, BI-proportional {record['influence_fitness']:.4f}):"
         f" {' '.join(f'{s:.2f}' for s in result['schedule'])}")
@@ -299,6 +301,7 @@ def read_schedule(out_dir) -> tuple:
   path = os.path.join(out_dir, "schedule.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no searched schedule {path}: run --mode=search first")
+  integrity.verify_dir(out_dir, ["schedule.json"])
   try:
     with open(path) as f:
       return tuple(json.load(f)["schedule"])

@@ -92,6 +92,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jakiro_jax import integrity
 from jakiro_jax.atomic_dir import write_json
 from jakiro_jax.integrity import check_finite
 from jakiro_jax.models.config import LlamaConfig
@@ -459,15 +460,17 @@ def router_from_json(data: Mapping[str, list]) -> dict:
 
 def save_router(path: str, router, schedule: Sequence[float], extra: dict | None = None
                 ) -> None:
-  """`router.json`: {"router": params as lists, "schedule": [N], "budget", ...}, atomic."""
+  """`router.json`: {"router": params as lists, "schedule": [N], "budget", ...}, atomic,
+  and its sha256 in its directory's integrity record (`integrity.record_files`)."""
   record = dict(extra or {}, router=router_to_json(router),
                 schedule=[float(s) for s in schedule], budget=mean_sparsity(schedule))
-  record["router_sha256"] = _router_digest(record["router"])
   write_json(path, record)
+  integrity.record_files(os.path.dirname(os.path.abspath(path)), [os.path.basename(path)])
 
 
 def _router_digest(router_json) -> str:
-  """sha256 of the router's params as stored (canonical JSON)."""
+  """sha256 of the router's params as stored (canonical JSON): what routers saved before
+  integrity records held in `router_sha256`."""
   import hashlib
   return hashlib.sha256(json.dumps(router_json, sort_keys=True).encode()).hexdigest()
 
@@ -475,11 +478,14 @@ def _router_digest(router_json) -> str:
 def load_router(path: str, allow_nonfinite: bool = False
                 ) -> tuple[dict, tuple[float, ...], dict]:
   """(router params, schedule, the whole record) of a `router.json` (or its directory);
-  params that differ from the record's `router_sha256` or hold NaN/Inf are refused."""
+  a file that differs from its directory's integrity record (`integrity.verify_dir`), or
+  params that hold NaN/Inf, are refused."""
   if os.path.isdir(path):
     path = os.path.join(path, ROUTER_FILE)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no router file {path}")
+  checked = integrity.verify_dir(os.path.dirname(os.path.abspath(path)),
+                                 [os.path.basename(path)])
   try:
     with open(path) as f:
       record = json.load(f)
@@ -487,8 +493,8 @@ def load_router(path: str, allow_nonfinite: bool = False
     raise ValueError(f"router file {path} is corrupt (not JSON)") from None
   if "router" not in record or "schedule" not in record:
     raise ValueError(f"router file {path} lacks 'router' or 'schedule'")
-  saved = record.get("router_sha256")
-  if saved is not None and saved != _router_digest(record["router"]):
+  saved = record.get("router_sha256")  # an older router without a record: its params
+  if not checked and saved is not None and saved != _router_digest(record["router"]):
     raise ValueError(f"router file {path} is damaged: its params differ from their "
                      f"router_sha256")
   router = router_from_json(record["router"])

@@ -9,10 +9,14 @@ previous checkpoint or the new one, never half of one):
          must not change across a resume.
 `step` is the number of optimizer steps done.
 
-The meta also holds a checksum of every leaf of the state, taken on the device before the
-save and checked after a restore, so damage that still decodes (bytes changed in place) is
-caught as surely as a truncated or missing file. A resume that finds its newest checkpoint
-damaged sets it aside (`<step>.damaged`) and takes the one before (`trainer._start_state`).
+Once committed, the step directory gets its integrity record (`jakiro_jax/integrity.py`):
+the sha256 of every file of both items, so damage that still decodes (a changed array
+element, a changed id or position in the meta) is caught as surely as a truncated or
+missing file. `restore` checks it first. A resume that finds its newest checkpoint damaged
+sets it aside (`<step>.damaged`) and takes the one before (`trainer._start_state`).
+Checkpoints without a record (written before records existed, or by a process killed
+between orbax's commit and the record) load with a warning; the per-leaf checksums older
+metas hold are still checked.
 """
 
 from __future__ import annotations
@@ -23,15 +27,18 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jakiro_jax.integrity import verify_dir, write_record
+
 DAMAGED_SUFFIX = ".damaged"
 
 
 class CheckpointDamaged(Exception):
-  """A checkpoint that restores with other values than were saved."""
+  """A checkpoint whose files differ from its record, or that is inconsistent."""
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
-  """uint32 position-weighted sum of the leaf's bits: any changed element changes it."""
+  """uint32 position-weighted sum of the leaf's bits: any changed element changes it
+  (what checkpoints written before integrity records hold in their meta)."""
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   if x.dtype == jnp.bool_:
@@ -69,19 +76,30 @@ class TrainCheckpoints:
     """Steps of the complete checkpoints, newest first."""
     return sorted(self._manager.all_steps(), reverse=True)
 
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def save(self, step: int, state, meta: dict) -> None:
-    meta = dict(meta, checksums=state_checksums(state))
+    """Saves checkpoint `step` (synchronously), then its integrity record."""
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    if jax.process_index() == 0:  # the files of every process are committed by now
+      write_record(self.step_dir(step))
 
   def restore(self, step: int, abstract_state=None):
     """(state, meta); `abstract_state` (ShapeDtypeStructs with shardings) fixes the tree
     structure (optax states are namedtuples) and where the arrays go. Raises
-    `CheckpointDamaged` where the restored values differ from the saved checksums."""
+    `CheckpointDamaged` naming the first file that differs from the step directory's
+    record (or, in a checkpoint from before records, the leaves whose values differ from
+    the checksums in its meta)."""
+    try:
+      checked = verify_dir(self.step_dir(step))
+    except ValueError as e:
+      raise CheckpointDamaged(str(e)) from None
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
     saved = restored.meta.get("checksums")
-    if saved is not None:
+    if saved is not None and not checked:
       got = state_checksums(restored.state)
       paths = [jax.tree_util.keystr(p) for p, _ in
                jax.tree_util.tree_leaves_with_path(restored.state)]
@@ -112,10 +130,11 @@ class TrainCheckpoints:
 
 
 def restore_state(directory, step: int | None = None) -> dict:
-  """The whole train state of a training checkpoint (the latest one by default) as numpy
-  arrays in plain dicts and lists (optax's namedtuples become lists), read onto this
-  process's first device whatever mesh, device count or number of hosts saved it (orbax
-  refuses a restore without shardings when the saving topology differs)."""
+  """The whole train state of a training checkpoint (the latest one by default; checked
+  against its record: ValueError naming a damaged file) as numpy arrays in plain dicts and
+  lists (optax's namedtuples become lists), read onto this process's first device
+  whatever mesh, device count or number of hosts saved it (orbax refuses a restore without
+  shardings when the saving topology differs)."""
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no training checkpoint directory {directory}")
   checkpoints = TrainCheckpoints(directory)
@@ -123,7 +142,8 @@ def restore_state(directory, step: int | None = None) -> dict:
     step = checkpoints.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no training checkpoint in {directory}")
-    item = os.path.join(checkpoints.directory, str(step), "state")
+    verify_dir(checkpoints.step_dir(step))
+    item = os.path.join(checkpoints.step_dir(step), "state")
   finally:
     checkpoints.close()
   here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

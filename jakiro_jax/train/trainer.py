@@ -68,7 +68,7 @@ from jakiro_jax.train.vocab_subset import (DRAFT_VOCAB_FILE, frequent_tokens, he
                                            save_subset)
 from jakiro_jax.drafts.io import save_draft
 from jakiro_jax.target import load_target
-from jakiro_jax.train.checkpoints import TrainCheckpoints
+from jakiro_jax.train.checkpoints import CheckpointDamaged, TrainCheckpoints
 from jakiro_jax.train.data import (StreamView, load_feature_dataset, stored_feature_layers,
                                    stream_columns)
 from jakiro_jax.train.features import features_jit
@@ -451,7 +451,9 @@ def _check_head(config, drafter) -> None:
 
 def _restore(checkpoints, step: int, abstract, fingerprint: dict, order: DataOrder):
   """(state, vocab subset or None, draft vocabulary or None) of checkpoint `step`,
-  refusing changed settings."""
+  refusing changed settings (the checkpoint's files match its record: the config
+  changed). A step or data position that disagrees with the step number is
+  `CheckpointDamaged`."""
   state, saved = checkpoints.restore(step, abstract)
   settings = dict(ADDED_SETTINGS, **saved["settings"])  # runs from before a key existed
   changed = sorted(k for k in set(settings) | set(fingerprint)
@@ -461,8 +463,9 @@ def _restore(checkpoints, step: int, abstract, fingerprint: dict, order: DataOrd
                      f"checkpoint ({', '.join(changed)}); only "
                      f"{', '.join(RESUMABLE_CHANGES)} may")
   if int(state["step"]) != step or tuple(saved["position"]) != order.position(step):
-    raise TrainInputError(f"checkpoint {step} in {checkpoints.directory} is inconsistent (step "
-                     f"{int(state['step'])}, position {saved['position']})")
+    raise CheckpointDamaged(f"inconsistent: step {int(state['step'])}, position "
+                            f"{saved['position']}, where step {step} is at "
+                            f"{list(order.position(step))}")
   subset = saved.get("vocab_subset")
   draft_vocab = saved.get("draft_vocab")  # absent from checkpoints made before it
   return (state, None if subset is None else np.asarray(subset, np.int32),
@@ -582,8 +585,9 @@ def _restore_newest(run: _Run, checkpoints, notices: list[str]):
   """(state, subset, draft vocabulary, step) of the newest checkpoint that restores
   intact, or None.
 
-  A checkpoint that fails to restore or to match its checksums (a preempted copy, a full
-  disk) is reported in one line and set aside; changed settings are still an error."""
+  A checkpoint that fails its record, its restore or its consistency checks (a preempted
+  copy, a full disk, changed bytes) is reported in one line and set aside; changed
+  settings in an intact checkpoint are still an error."""
   abstract = jax.tree.map(  # restored straight into this run's shards, whatever mesh saved it
       lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
       run.abstract_state, run.state_sharding)
