@@ -35,7 +35,6 @@ import sys
 
 import jax
 from absl import app, flags
-from ml_collections import config_flags
 
 from jakiro_jax.drafts import registry
 from jakiro_jax.reports.benchmark import ar_baseline, base_report, read_questions, spec_report
@@ -43,32 +42,37 @@ from jakiro_jax.drafts.io import resolve_draft
 from jakiro_jax.drafts.registry import tree_and_options
 from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                          lock_config=True)
+_CONFIG = cli.define_config_file("config", None, "Experiment config file.", lock_config=True)
 _METHOD = flags.DEFINE_enum("method", "ar", ["ar", *registry.names()],
                             "Generation method: ar or a registered draft method.")
 _DRAFT = flags.DEFINE_string(
     "draft", None, "Draft directory, shipped draft name, or 'random' (untrained, still "
     "lossless). Default: the draft shipped for the config's target.")
-_TOP_K_TREE = flags.DEFINE_integer("top_k", None, "Tree: children per node (config).")
-_DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the context (config).")
-_TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round (config).")
+_TOP_K_TREE = flags.DEFINE_integer("top_k", None, "Tree: children per node (config).",
+                                   lower_bound=1)
+_DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the context (config).",
+                              lower_bound=1)
+_TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round (config).",
+                              lower_bound=2)
 _REFERENCE_PARITY = flags.DEFINE_bool(
     "reference_parity", False, "Methods with a reference_parity option: behave as the "
     "original code (for some, at T > 0, a rule that is NOT lossless; see the method's "
     "docstring).")
 _QUESTIONS = flags.DEFINE_string("questions", None, "FastChat-format .jsonl questions.")
-_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 10, "Questions to use (first N).")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per question.")
+_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 10, "Questions to use (first N).",
+                                      lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per question.",
+                                lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
 _TOP_K = flags.DEFINE_integer("sample_top_k", 0, "Top-k filter of the target's sampling "
-                             "distribution (0 = off); --top_k is the tree's.")
+                             "distribution (0 = off); --top_k is the tree's.",
+                             lower_bound=0)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the report here.")
 _COMPARE_HF = flags.DEFINE_bool("compare_hf", False,
                                 "Also time transformers generate and count greedy mismatches.")
-_SHOW = flags.DEFINE_integer("show", 1, "Print this many decoded answers.")
+_SHOW = flags.DEFINE_integer("show", 1, "Print this many decoded answers.", lower_bound=0)
 _MESH = flags.DEFINE_string("mesh", None, "Device mesh DATA,FSDP,TENSOR, e.g. 2,2,2 "
                             "(-1 = the rest of the devices). Default: one device.")
 
@@ -132,7 +136,6 @@ def main(argv):
   cli.checked_config(_CONFIG.value)
   if not _QUESTIONS.value:
     raise app.UsageError("--questions is required (a FastChat .jsonl file)")
-  cli.require_positive(max_new_tokens=_MAX_NEW.value, max_questions=_MAX_QUESTIONS.value)
   cli.require_files(questions=_QUESTIONS.value)
   if _DRAFT.value and _DRAFT.value != "random" and _METHOD.value != "ar":
     cli.require_draft(_DRAFT.value, _METHOD.value)

@@ -20,18 +20,18 @@ import importlib
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from launch import cli
 
 _DEVICE = flags.DEFINE_string(
     "device", "h100", "h100, h200, or a TPU slice (v5e-8, v5e-256, v5p-64, v6e-8, v4-8) or "
     "topology (v5e:2x4, v5p:4x4x4).")
-_DEVICES = flags.DEFINE_integer("devices", 1, "GPUs (h100 / h200; 8 per host; 16 = two hosts).")
+_DEVICES = flags.DEFINE_integer("devices", 1, "GPUs (h100 / h200; 8 per host; 16 = two hosts).",
+                                lower_bound=1)
 _TARGET = flags.DEFINE_string(
     "target", "llama31_8b", "A preset (vicuna_7b, llama2_7b, llama31_8b, qwen2_7b, "
     "llama3_70b, smollm2) or a HuggingFace config.json / model directory.")
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.define_config_file(
     "config", None, "Config file whose `drafts` blocks give the config trees (default: "
     "the target's own file in configs/, else configs/real_targets.py).")
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
@@ -45,26 +45,30 @@ _BATCHES = flags.DEFINE_list("batches", None, "Batches of prefill and the AR pro
                              "(default 1,8,64).")
 _SPEC_BATCHES = flags.DEFINE_list("spec_batches", None, "Batches of rounds and loops "
                                   "(default 1).")
-_MAX_LEN = flags.DEFINE_integer("max_len", 2048, "KV cache slots.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "Padded prompt length.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Loop budget.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 2048, "KV cache slots.", lower_bound=1)
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "Padded prompt length.",
+                                   lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Loop budget.", lower_bound=1)
 _MESH = flags.DEFINE_string("mesh", None, "DATA,FSDP,TENSOR for inference (default: "
                             "tensor over up to 8 devices, data on the rest).")
 _TRAIN_MESH = flags.DEFINE_string("train_mesh", None, "DATA,FSDP,TENSOR for training "
                                   "(default: fsdp over up to 8, data on the rest).")
 _TRAIN_BATCH = flags.DEFINE_integer("train_batch_per_device", 4,
-                                    "Training rows per data x fsdp device.")
-_TRAIN_LEN = flags.DEFINE_integer("train_len", 2048, "Training row length.")
+                                    "Training rows per data x fsdp device.", lower_bound=1)
+_TRAIN_LEN = flags.DEFINE_integer("train_len", 2048, "Training row length.", lower_bound=1)
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights and caches.")
 _LAYERS = flags.DEFINE_integer("layers", None, "Compile the target with this many layers "
-                               "(a smaller program that isolates a per-layer cost).")
+                               "(a smaller program that isolates a per-layer cost).",
+                               lower_bound=1)
 _VOCAB_BLOCKS = flags.DEFINE_integer("vocab_blocks", None, "Blocks of the drafts' "
                                      "vocabulary top-k (default: as on an accelerator; 1: "
-                                     "one top-k over the whole vocabulary).")
+                                     "one top-k over the whole vocabulary).", lower_bound=1)
 _DRAFT_VOCAB = flags.DEFINE_integer(
     "draft_vocab", 0, "Rounds and loops: the drafts propose from this many token ids, their "
-    "lm_head rows gathered once per generate call (0: the whole vocabulary).")
-_PRUNE_LEN = flags.DEFINE_integer("prune_len", 2048, "pruned_prefill: padded prompt tokens.")
+    "lm_head rows gathered once per generate call (0: the whole vocabulary).",
+    lower_bound=0)
+_PRUNE_LEN = flags.DEFINE_integer("prune_len", 2048, "pruned_prefill: padded prompt tokens.",
+                                  lower_bound=1)
 _PRUNE_SPARSITY = flags.DEFINE_float(
     "prune_sparsity", 0.3, "pruned_prefill: mean sparsity S of the uniform schedule (block "
     "0 dense) and of ShortGPT (round(N S) blocks removed).")
@@ -102,13 +106,6 @@ def drafts_of(target: str, config) -> dict:
                                     else dict(drafts))
 
 
-def _ints(values, name):
-  try:
-    return tuple(int(v) for v in values)
-  except ValueError:
-    raise app.UsageError(f"--{name} must be integers, got {values}") from None
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -123,9 +120,10 @@ def main(argv):
       programs=tuple(_PROGRAMS.value or defaults.programs),
       methods=tuple(_METHODS.value) if _METHODS.value else None,
       tree_sets=tuple(_TREE_SETS.value or defaults.tree_sets),
-      batches=_ints(_BATCHES.value, "batches") if _BATCHES.value else defaults.batches,
-      spec_batches=(_ints(_SPEC_BATCHES.value, "spec_batches") if _SPEC_BATCHES.value
-                    else defaults.spec_batches),
+      batches=(cli.positive_ints(_BATCHES.value, "batches") if _BATCHES.value
+               else defaults.batches),
+      spec_batches=(cli.positive_ints(_SPEC_BATCHES.value, "spec_batches")
+                    if _SPEC_BATCHES.value else defaults.spec_batches),
       max_len=_MAX_LEN.value, prompt_len=_PROMPT_LEN.value,
       max_new_tokens=_MAX_NEW.value,
       mesh=parse_mesh_flag(_MESH.value) if _MESH.value else None,
@@ -136,8 +134,6 @@ def main(argv):
       draft_vocab=_DRAFT_VOCAB.value,
       prune_len=_PRUNE_LEN.value,
       prune_schedule=_PRUNE_SCHEDULE.value or f"uniform:{_PRUNE_SPARSITY.value}")
-  if settings.draft_vocab < 0:
-    raise app.UsageError(f"--draft_vocab must be >= 0; got {settings.draft_vocab}")
   for name in settings.methods or ():
     if name not in registry.names():
       raise app.UsageError(f"--methods: unknown method {name!r}; known: "

@@ -37,9 +37,9 @@ from ml_collections import config_flags
 from jakiro_jax.drafts import registry
 from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "Experiment config file (target, trees).",
-                                          lock_config=True)
+_CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
+                                 "Experiment config file (target, trees).",
+                                 lock_config=True)
 _OUT = flags.DEFINE_string("out", None, "Output directory (report.json, .md, .png).")
 _SIZE = flags.DEFINE_enum("size", "auto", ["auto", "cpu", "full"],
                           "Settings: auto = cpu on the CPU backend, else full.")
@@ -51,9 +51,10 @@ _QUESTIONS_DIR = flags.DEFINE_string("questions_dir", None,
                                      "Directory of FastChat .jsonl evaluation files (the "
                                      "speculative and peers sections need it).")
 _N_QUESTIONS = flags.DEFINE_integer("n_questions", None,
-                                    "First N questions of each file (cpu 1, full 3).")
+                                    "First N questions of each file (cpu 1, full 3).",
+                                    lower_bound=1)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None,
-                                "New tokens per question (cpu 32, full 96).")
+                                "New tokens per question (cpu 32, full 96).", lower_bound=1)
 _STATIC_COMPILE = flags.DEFINE_bool("static_compile", True, "peers: also time transformers "
                                     "with a static cache + torch.compile.")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft for every method: None = the shipped "
@@ -87,9 +88,12 @@ def _parse_grid(values):
   for v in values:
     try:
       dtype, batch, slots = v.split(":")
-      grid.append([dtype, int(batch), int(slots)])
+      batch, slots = int(batch), int(slots)
     except ValueError:
       raise app.UsageError(f"--ar_grid takes DTYPE:BATCH:SLOTS, got {v!r}") from None
+    if batch < 1 or slots < 1:
+      raise app.UsageError(f"--ar_grid: BATCH and SLOTS must be >= 1, got {v!r}")
+    grid.append([dtype, batch, slots])
   return grid
 
 
@@ -107,6 +111,7 @@ def main(argv):
   unknown = set(_SECTIONS.value) - set(RUN_ORDER)
   if unknown:
     raise app.UsageError(f"unknown sections {sorted(unknown)}; known: {list(RUN_ORDER)}")
+  ar_grid = _parse_grid(_AR_GRID.value)
   from jakiro_jax.reports import device_report as dr
   bad = set(_METHODS.value) - set(registry.names())
   if bad:
@@ -140,8 +145,7 @@ def main(argv):
           f"--sections=ar_decode,scale)")
   settings = {}
   if "ar_decode" in wanted:
-    settings["ar_decode"] = dr.ar_decode_settings(size, config.target,
-                                                  _parse_grid(_AR_GRID.value))
+    settings["ar_decode"] = dr.ar_decode_settings(size, config.target, ar_grid)
   spec_files = []
   if "speculative" in wanted or "peers" in wanted:
     spec_files = sorted(f[:-len(".jsonl")] for f in os.listdir(_QUESTIONS_DIR.value)

@@ -8,7 +8,8 @@
 For each (file, temperature) our AR loop runs once and every method is measured against
 it in the same process, so the speedups of one table share their baseline. Each result is
 written as `OUT/<category>_T<temperature>_<method>.json` in `launch.bench`'s format (an
-existing file is kept: a rerun continues where a previous one stopped), and
+existing file is kept: a rerun continues where a previous one stopped, and the methods it
+adds are measured against a new AR run, which `OUT/summary.md` marks), and
 `OUT/summary.md` tabulates them. `python -m launch.plot_results --results=OUT` draws them.
 """
 
@@ -19,13 +20,12 @@ import os
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from jakiro_jax.drafts import registry
 from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "Experiment config file.", lock_config=True)
+_CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
+                                 "Experiment config file.", lock_config=True)
 _QUESTIONS = flags.DEFINE_list("questions", None, "FastChat .jsonl files (one category each).")
 _METHODS = flags.DEFINE_list("methods", list(registry.EVAL_METHODS),
                              "Speculative methods (registered: "
@@ -34,8 +34,10 @@ _METHODS = flags.DEFINE_list("methods", list(registry.EVAL_METHODS),
 _DRAFTS = flags.DEFINE_list("drafts", None, "Draft per method (directory, shipped name or "
                             "'random'), in --methods order.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures.")
-_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 10, "First N questions of each file.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per question.")
+_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 10, "First N questions of each file.",
+                                      lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per question.",
+                                lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _REFERENCE_PARITY = flags.DEFINE_bool(
     "reference_parity", False, "Run the methods that have a reference_parity option as "
@@ -61,7 +63,6 @@ def main(argv):
   from jakiro_jax.speculative.sampling import SamplingConfig
   from jakiro_jax.target import load_target
 
-  cli.require_positive(max_questions=_MAX_QUESTIONS.value, max_new_tokens=_MAX_NEW.value)
   cli.require_files(questions=_QUESTIONS.value)
   config = cli.checked_config(_CONFIG.value)
   methods = _METHODS.value
@@ -101,6 +102,10 @@ def main(argv):
         continue
       print(f"{category} T={temperature:g}: {len(turns)} questions, "
             f"{', '.join(names[m] for m in todo)}", file=sys.stderr)
+      done = [names[m] for m in methods if m not in todo]
+      if done:  # summary.md marks the two runs
+        print(f"  against a new AR run: {', '.join(done)} in {_OUT.value} were measured "
+              f"against an earlier one", file=sys.stderr)
       prompts = [target.chat_prompt(q, config.system_prompt or None) for q in turns]
       ar = ar_baseline(target, prompts, _MAX_NEW.value, sampling, _SEED.value)
       for method in todo:

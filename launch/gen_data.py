@@ -39,31 +39,36 @@ import os
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "Experiment config file (target, system prompt).",
-                                          lock_config=True)
+_CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
+                                 "Experiment config file (target, system prompt).",
+                                 lock_config=True)
 _PROMPTS = flags.DEFINE_string("prompts", None, "FastChat-format jsonl of questions.")
 _OUT = flags.DEFINE_string("out", None, "Output directory of the feature set.")
-_MAX_PROMPTS = flags.DEFINE_integer("max_prompts", None, "Use only the first N prompts.")
+_MAX_PROMPTS = flags.DEFINE_integer("max_prompts", None, "Use only the first N prompts.",
+                                    lower_bound=1)
 _SELF_PROMPTS = flags.DEFINE_integer(
     "self_prompts", 0, "Extra prompts written by the target itself from the chat "
-    "template's user prefix (sampled at T=1), appended after the file's prompts.")
+    "template's user prefix (sampled at T=1), appended after the file's prompts.",
+    lower_bound=0)
 _RESPONSES = flags.DEFINE_enum("responses", "regenerate", ["regenerate", "file"],
                                "Where responses come from.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Response budget when regenerating.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Response budget when regenerating.",
+                                lower_bound=1)
 _MAX_LEN = flags.DEFINE_integer("max_len", 1024, "Conversations are cut at this many tokens; "
-                                "longer prompts are skipped.")
+                                "longer prompts are skipped.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0,
                                   "Response sampling temperature (0 = greedy).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Response nucleus mass.")
-_BATCH = flags.DEFINE_integer("batch_size", 32, "Prompts generated together.")
-_SHARD = flags.DEFINE_integer("shard_size", 256, "Prompts per stored shard (resume unit).")
+_BATCH = flags.DEFINE_integer("batch_size", 32, "Prompts generated together.",
+                              lower_bound=1)
+_SHARD = flags.DEFINE_integer("shard_size", 256, "Prompts per stored shard (resume unit).",
+                              lower_bound=1)
 _MAX_SHARDS = flags.DEFINE_integer("max_shards", None,
-                                   "Stop after this many new shards (resume later).")
+                                   "Stop after this many new shards (resume later).",
+                                   lower_bound=1)
 _SHUFFLE = flags.DEFINE_boolean("shuffle", True, "Take prompts in a seeded random order "
                                 "(mixes the file's sources across shards).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for sampling and self-written prompts.")
@@ -76,7 +81,8 @@ _KINDS = flags.DEFINE_list(
     "turn (code, qa, summarisation, extraction, reasoning, writing); empty: the target "
     "writes freely from the user prefix.")
 _SAMPLES = flags.DEFINE_integer("samples_per_prompt", 0,
-                                "Sampled answers per prompt beside the main one.")
+                                "Sampled answers per prompt beside the main one.",
+                                lower_bound=0)
 _SAMPLE_TEMPERATURES = flags.DEFINE_list("sample_temperatures", ["0.7", "1.0"],
                                          "Temperatures of the sampled answers, in turn.")
 _DEDUP = flags.DEFINE_boolean("dedup", True, "Drop exact and near-duplicate prompts.")

@@ -23,13 +23,12 @@ from __future__ import annotations
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from jakiro_jax.drafts import registry
 from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "Experiment config file.", lock_config=True)
+_CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
+                                 "Experiment config file.", lock_config=True)
 _PROMPTS = flags.DEFINE_multi_string(
     "prompt", ["What is the capital of France?",
                "Write a Python function that checks whether a number is prime.",
@@ -38,10 +37,11 @@ _PROMPTS = flags.DEFINE_multi_string(
 _METHOD = flags.DEFINE_enum("method", None, ["ar", *registry.names()],
                             "Generation method (default: the config's default_method).")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft directory (default: the shipped draft).")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.",
+                                lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).", lower_bound=0)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _TREE = flags.DEFINE_string(
     "tree", "auto", "auto (tuned on this device, cached; may choose AR), config (the "
@@ -55,7 +55,8 @@ _WRITE_PRIOR = flags.DEFINE_bool(
     "or changing the tree grid.")
 _QUESTIONS = flags.DEFINE_string("questions", None, "FastChat .jsonl questions to answer "
                                  "instead of --prompt.")
-_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 5, "With --questions: the first N.")
+_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 5, "With --questions: the first N.",
+                                      lower_bound=1)
 _PROMPT_IDS = flags.DEFINE_multi_string(
     "prompt_ids", None, "Token-id prompts (comma-separated ids, no chat template) instead "
     "of --prompt; for targets without a tokenizer.")
@@ -132,7 +133,6 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   tree_flag = parse_tree_flag(_TREE.value)
-  cli.require_positive(max_new_tokens=_MAX_NEW.value, max_questions=_MAX_QUESTIONS.value)
   cli.require_files(questions=_QUESTIONS.value)
   if _DRAFT.value and _DRAFT.value != "random" and _METHOD.value != "ar":
     cli.require_draft(_DRAFT.value, _METHOD.value)

@@ -16,12 +16,16 @@ config's markers (`speculators_model_type`: before; `eagle_config`: output) and
 
 DIR holds config.json and `pytorch_model.bin` (needs torch) or `model.safetensors`; if both
 exist the `.bin` is read, as the original loaders do, once checked to hold the same tensors
-as the `.safetensors` (else one is stale: an error naming both). A `module.` prefix (DDP
-checkpoints) is stripped. Every name and shape is checked: unknown, missing or mis-shaped
-keys are an error listing them (the original loaders silently skip wrong names). The stored
-`embed_tokens.weight` is checked against the target's and dropped. The output directory is
-loaded by `load_draft` (and `--draft=DIR` in launch.bench); it is written all at once, and
-a non-empty --out is refused unless --overwrite (then replaced once the new one is complete).
+as the `.safetensors` (else one is stale: an error naming both). DIR is first checked
+against its integrity record (`launch.export` writes one, `jakiro_jax/integrity.py`): a
+damaged file is an error naming it, so damage is never recorded as a new draft; a DIR
+without a record (written by the original code) is imported with a warning naming it. A
+`module.` prefix (DDP checkpoints) is stripped. Every name and shape is checked: unknown,
+missing or mis-shaped keys are an error listing them (the original loaders silently skip
+wrong names). The stored `embed_tokens.weight` is checked against the target's and
+dropped. The output directory is loaded by `load_draft` (and `--draft=DIR` in
+launch.bench); it is written all at once, and a non-empty --out is refused unless
+--overwrite (then replaced once the new one is complete).
 """
 
 from __future__ import annotations
@@ -39,9 +43,12 @@ _FORMAT = flags.DEFINE_enum("format", None, list(registry.names()),
 _TARGET = flags.DEFINE_string("target", "smollm2",
                               "Target: 'smollm2', a HuggingFace directory or a .gguf file.")
 _OUT = flags.DEFINE_string("out", None, "Output draft directory (our layout).")
-_TOP_K = flags.DEFINE_integer("top_k", None, "Tree stored with the draft: children per node.")
-_DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the context.")
-_TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round.")
+_TOP_K = flags.DEFINE_integer("top_k", None, "Tree stored with the draft: children per node.",
+                              lower_bound=1)
+_DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the context.",
+                              lower_bound=1)
+_TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round.",
+                              lower_bound=2)
 _OVERWRITE = flags.DEFINE_bool(
     "overwrite", False, "Replace a non-empty --out (removed once the new draft is complete).")
 _FORCE = flags.DEFINE_bool(

@@ -19,19 +19,21 @@ import functools
 
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
 from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "Experiment config file.", lock_config=True)
+_CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
+                                 "Experiment config file.", lock_config=True)
 _SLOTS = flags.DEFINE_list("slots", ["128", "512", "2048"], "Cache sizes to time.")
 _TOKENS = flags.DEFINE_list("tokens", [], "Verify widths to time, kernel on and off (CPU).")
-_REPEATS = flags.DEFINE_integer("repeats", 15, "Alternated timings of each verify width.")
+_REPEATS = flags.DEFINE_integer("repeats", 15, "Alternated timings of each verify width.",
+                                lower_bound=1)
 
 
 def main(argv):
   del argv
+  slot_counts = cli.positive_ints(_SLOTS.value, "slots")
+  widths = cli.positive_ints(_TOKENS.value, "tokens")
   import jax
   import jax.numpy as jnp
 
@@ -56,7 +58,7 @@ def main(argv):
   device = jax.devices()[0]
   print(f"device: {device.device_kind} ({device.platform})")
   print(f"weights: {weight_bytes / 1e6:.0f} MB")
-  for slots in map(int, _SLOTS.value):
+  for slots in slot_counts:
     row = []
     for logits in (True, False):
       state = {"cache": llama.new_cache(target.config, 1, slots).replace(
@@ -75,8 +77,8 @@ def main(argv):
   ms = median_ms(lambda: matvec(head, x).block_until_ready(), repeats=50)
   print(f"reference matvec {head.shape}: {ms:.2f} ms = {head.size * 4 / ms / 1e6:.1f} GB/s; "
         f"bound for this model: {weight_bytes / (head.size * 4 / ms):.1f} ms/step")
-  if _TOKENS.value:
-    verify_widths(target, model, [int(t) for t in _TOKENS.value], _REPEATS.value)
+  if widths:
+    verify_widths(target, model, list(widths), _REPEATS.value)
 
 
 def verify_widths(target, model, widths, repeats, slots=512):

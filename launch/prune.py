@@ -43,15 +43,14 @@ from __future__ import annotations
 import os
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from jakiro_jax.atomic_dir import write_json
 from jakiro_jax.prune import pipeline
 from jakiro_jax.prune.pipeline import ALL_METHODS, OWN_ROUTER_DIRS
 from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m_ftp.py",
-                                          "FTP config file.", lock_config=True)
+_CONFIG = cli.define_config_file("config", "configs/smollm2_135m_ftp.py",
+                                 "FTP config file.", lock_config=True)
 _MODE = flags.DEFINE_enum("mode", None, ["search", "train", "fit", "eval", "rank"],
                           "What to run.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Run directory (search and train: "
@@ -70,7 +69,8 @@ _SCHEDULES = flags.DEFINE_list("schedules", ["uniform", "influence"], "rank: sch
                                "score: uniform, influence, a shipped name or a schedule.json "
                                "/ router.json path.")
 _RANDOM_SCHEDULES = flags.DEFINE_integer("random_schedules", 4, "rank: also this many "
-                                         "seeded random schedules at the budget.")
+                                         "seeded random schedules at the budget.",
+                                         lower_bound=0)
 
 def _check_config(config) -> None:
   from jakiro_jax.prune.schedule import check_budget

@@ -35,8 +35,8 @@ from launch import cli
 
 _TARGET = flags.DEFINE_string("target", "smollm2", "Embedded name, HF directory or .gguf.")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Parameter dtype.")
-_LENGTH = flags.DEFINE_integer("length", 2048, "Prompt length in tokens.")
-_BATCH = flags.DEFINE_integer("batch", 1, "Prompts per prefill.")
+_LENGTH = flags.DEFINE_integer("length", 2048, "Prompt length in tokens.", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch", 1, "Prompts per prefill.", lower_bound=1)
 _SPARSITY = flags.DEFINE_float("sparsity", 0.3, "Mean block sparsity of the schedule.")
 _DENSE_FIRST = flags.DEFINE_bool("dense_first", True, "Block 0 skips nothing.")
 _SCHEDULE = flags.DEFINE_list("schedule", None, "Per-block sparsities (overrides "
@@ -47,16 +47,19 @@ _SCHEDULE_NAME = flags.DEFINE_string(
     "router.json path.")
 _ROUTER = flags.DEFINE_enum("router", "static", ["static", "one_pass", "dynamic"],
                             "Router deciding the kept tokens.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs of each.")
-_WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed runs of each (the first compiles).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs of each.", lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed runs of each (the first compiles).",
+                               lower_bound=0)
 _SEED = flags.DEFINE_integer("seed", 0, "Prompt and router seed.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the report here.")
 _BASELINES = flags.DEFINE_list("baselines", [], "Also time these block-removal baselines "
                                "at the schedule's mean sparsity: shortgpt, blockpruner.")
 _CALIB_PROMPTS = flags.DEFINE_string("calib_prompts", None, "--baselines: calibration "
                                      "prompts (FastChat .jsonl); random tokens without it.")
-_CALIB_ROWS = flags.DEFINE_integer("calib_rows", 4, "--baselines: calibration rows.")
-_CALIB_LENGTH = flags.DEFINE_integer("calib_length", 128, "--baselines: tokens per row.")
+_CALIB_ROWS = flags.DEFINE_integer("calib_rows", 4, "--baselines: calibration rows.",
+                                   lower_bound=1)
+_CALIB_LENGTH = flags.DEFINE_integer("calib_length", 128, "--baselines: tokens per row.",
+                                     lower_bound=1)
 _REMOVED_JSON = flags.DEFINE_string("removed_json", None, "--baselines: read the removed "
                                     "blocks from this report instead of calibrating.")
 BASELINES = ("shortgpt", "blockpruner")
@@ -111,8 +114,6 @@ def baseline_removals(target, budget: float, baselines, seed: int) -> dict:
 
 def main(argv):
   del argv
-  cli.require_positive(length=_LENGTH.value, batch=_BATCH.value, repeats=_REPEATS.value,
-                       calib_rows=_CALIB_ROWS.value, calib_length=_CALIB_LENGTH.value)
   unknown = [b for b in _BASELINES.value if b not in BASELINES]
   if unknown:
     raise app.UsageError(f"--baselines: unknown {unknown}; choose from {list(BASELINES)}")

@@ -26,13 +26,12 @@ import statistics
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from jakiro_jax.drafts import registry
 from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "Target and draft trees (the eval_suite's config).")
+_CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
+                                 "Target and draft trees (the eval_suite's config).")
 _QUESTIONS = flags.DEFINE_list("questions", None, "FastChat .jsonl files (one category each).")
 _SCHEDULES = flags.DEFINE_list("schedules", ["dense", "smollm2_s30"],
                                "Prefill schedules: dense, a shipped router name, uniform:S, "
@@ -41,8 +40,10 @@ _SCHEDULES = flags.DEFINE_list("schedules", ["dense", "smollm2_s30"],
                                "first.")
 _METHODS = flags.DEFINE_list("methods", list(registry.EVAL_METHODS),
                              "Methods, each with its shipped draft for the target.")
-_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 8, "First N questions of each file.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per question.")
+_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 8, "First N questions of each file.",
+                                      lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per question.",
+                                lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed (greedy runs do not use it).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Results file (resumed when it exists).")
 
@@ -71,7 +72,6 @@ def main(argv):
   from jakiro_jax.drafts.io import resolve_draft
   from jakiro_jax.drafts.registry import tree_and_options
 
-  cli.require_positive(max_questions=_MAX_QUESTIONS.value, max_new_tokens=_MAX_NEW.value)
   cli.require_files(questions=_QUESTIONS.value)
   if not _JSON_OUT.value:
     raise app.UsageError("--json_out is required")

@@ -27,8 +27,8 @@ _PRESET = flags.DEFINE_enum("preset", "llama2_7b", sorted(PRESETS),
 _HF_CONFIG = flags.DEFINE_string("hf_config", None, "A HuggingFace config.json instead.")
 _MESH = flags.DEFINE_string("mesh", "1,1,8", "DATA,FSDP,TENSOR.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weight and cache dtype.")
-_BATCH = flags.DEFINE_integer("batch", 1, "KV cache rows.")
-_MAX_LEN = flags.DEFINE_integer("max_len", 4096, "KV cache slots per row.")
+_BATCH = flags.DEFINE_integer("batch", 1, "KV cache rows.", lower_bound=1)
+_MAX_LEN = flags.DEFINE_integer("max_len", 4096, "KV cache slots per row.", lower_bound=1)
 
 def main(argv):
   if len(argv) > 1:

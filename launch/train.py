@@ -17,17 +17,16 @@ from __future__ import annotations
 import logging as std_logging
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
-                                          lock_config=True)
+_CONFIG = cli.define_config_file("config", None, "Training config file.", lock_config=True)
 _DATA = flags.DEFINE_string("data", None, "Feature set directory (launch.gen_data).")
 _OUT = flags.DEFINE_string("out", None, "Output directory (checkpoints, logs, draft).")
 _RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --out from its latest "
                             "checkpoint (starts fresh if it has none).")
-_MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Override config.num_steps.")
+_MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Override config.num_steps.",
+                                  lower_bound=1)
 flags.mark_flags_as_required(["config", "data", "out"])
 
 

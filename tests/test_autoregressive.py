@@ -80,6 +80,9 @@ def test_bad_requests_raise_clear_errors(tiny_pair):
   with pytest.raises(ValueError, match=r"prompt length 30 \+ max_new_tokens 40 = 70 exceeds "
                      r"max_len 64"):
     generate_ar(target, [[5] * 30], 40, max_len=64)
+  with pytest.raises(ValueError, match=r"prompt length 10 \+ max_new_tokens 40 = 50 exceeds "
+                     r"max_len 49"):  # the sum of one row's numbers: the row with the most
+    generate_ar(target, [[5] * 30, [5] * 10], [10, 40], max_len=49)
   with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 512"):
     generate_ar(target, [[5] * 500], 40)
   with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jakiro_jax.reports.benchmark import alpha_by_depth, pooled_counts
+from jakiro_jax.reports.benchmark import alpha_by_depth, pooled_counts, summary_table
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "smollm2_135m.py"
@@ -19,6 +19,30 @@ def test_alpha_by_depth_by_hand():
   assert alpha_by_depth([0, 0, 4]) == [1.0, 1.0]
   assert alpha_by_depth([4]) == []
   assert pooled_counts([{"accept_counts": [1, 2]}, {"accept_counts": [0, 1, 3]}]) == [1, 3, 3]
+
+
+def _result(method, ar_tokens_per_s, category="math", temperature=0.0):
+  return {"category": category, "temperature": temperature, "method": method, "tau": 2.0,
+          "tokens_per_s": 12.0, "ar_tokens_per_s": ar_tokens_per_s,
+          "ar_median_tokens_per_s": ar_tokens_per_s, "ar_new_tokens": 60,
+          "speedup": 12.0 / ar_tokens_per_s, "greedy_mismatches": 0, "n_questions": 3,
+          "draft_forwards_per_round": 3}
+
+
+def test_summary_marks_rows_measured_against_different_ar_runs():
+  # One run: no marks, no note.
+  one = summary_table([_result("eagle2", 10.0), _result("jakiro", 10.0)])
+  assert "run a" not in one and "different AR" not in one
+  assert "| math | 0 | jakiro | 2.00 | 12.0 | 10.0 | 1.20x |" in one
+  # A resumed run added jakiro against another AR run: both marked, and a note says so;
+  # another category with one run stays unmarked.
+  table = summary_table([_result("eagle2", 10.0), _result("jakiro", 6.6),
+                         _result("gumiho", 10.0), _result("eagle2", 8.0, category="code")])
+  assert "| math | 0 | eagle2 | 2.00 | 12.0 | 10.0 (run a) | 1.20x |" in table
+  assert "| math | 0 | gumiho | 2.00 | 12.0 | 10.0 (run a) | 1.20x |" in table
+  assert "| math | 0 | jakiro | 2.00 | 12.0 | 6.6 (run b) | 1.82x |" in table
+  assert "| code | 0 | eagle2 | 2.00 | 12.0 | 8.0 | 1.50x |" in table
+  assert "measured against different AR baselines" in table.splitlines()[-1]
 
 
 @pytest.mark.slow  # ~65 s of SmolLM2 generation; run with -m slow

@@ -66,6 +66,16 @@ def test_steering_plan_and_passages():
       prompt_mix.check_kinds(bad)
 
 
+def test_a_question_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+  bad = tmp_path / "latin1.jsonl"
+  bad.write_bytes(b'{"turns": ["fine"]}\n{"turns": ["caf\xe9"]}\n')
+  for read in (read_prompts, lambda path: prompt_mix.read_questions([path])):
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2 is not UTF-8 text \(invalid "
+                       r"continuation byte at byte 15 of the line\)"):
+      read(str(bad))
+  assert read_prompts(str(bad), limit=1) == ["fine"]  # lines before it still read
+
+
 @pytest.mark.skipif(not (EVAL_FILES and os.path.exists(TRAIN_FILE)),
                     reason=f"the shared data is not at {SHARED}")
 def test_no_evaluation_question_reaches_the_training_prompts():

@@ -1,6 +1,7 @@
 """The speculative engine: lossless greedy, oracle acceptance, tree invariants, errors."""
 
 import dataclasses
+import re
 
 import chex
 import jax
@@ -15,6 +16,7 @@ from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
 from jakiro_jax.speculative import generate as spec_generate
 from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.batching import scratch_slots
 from jakiro_jax.speculative.generate import draft_tree, generate
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import TreeConfig
@@ -65,6 +67,28 @@ def test_every_registered_method_is_greedy_lossless(target, method):
   spec = generate(target, drafter, params, prompts, max_new_tokens=20)
   assert spec.tokens == generate_ar(target, prompts, max_new_tokens=20).tokens
   assert spec.rounds >= 1 and spec.tau >= 1.0
+
+
+@pytest.mark.parametrize("method", names())
+def test_an_explicit_max_len_needs_the_positions_and_the_last_rounds_scratch(target, method):
+  """max_len = the longest row's prompt + budget + the slots the last round writes past
+  them (`scratch_slots`) is enough: greedy output is the AR loop's, at batch 2 (scattered
+  writes) and 1 (a block per round); one slot fewer is refused, in that row's numbers."""
+  drafter, params = registered_drafter(method, target.config)
+  scratch = scratch_slots(max(drafter.tree.total_tokens, drafter.extra_cache_slots()))
+  assert scratch >= 1
+  # Row 1 has the most positions (35), row 0 the longer prompt and the other budget.
+  prompts, budgets = random_prompts(np.random.RandomState(1), 97, [13, 5]), [20, 30]
+  cases = [(prompts, budgets, 35)]
+  if method == "eagle2":
+    cases.append(([prompts[0]], [20], 33))
+  for rows, row_budgets, positions in cases:
+    spec = generate(target, drafter, params, rows, row_budgets, max_len=positions + scratch)
+    assert spec.tokens == generate_ar(target, rows, row_budgets).tokens
+  with pytest.raises(ValueError, match=re.escape(
+      f"prompt length 5 + max_new_tokens 30 + {scratch} scratch slots of the last round's "
+      f"draft tree = {35 + scratch} exceeds max_len {34 + scratch}")):
+    generate(target, drafter, params, prompts, budgets, max_len=34 + scratch)
 
 
 def test_greedy_is_lossless_with_stop_tokens_mid_tree(peaky_target):
@@ -173,8 +197,9 @@ def test_bad_inputs_raise(target):
   with pytest.raises(ValueError, match="total_tokens=50 needs 49 drafted nodes but top_k=2, "
                      "depth=2 only draft 10"):
     TreeConfig(top_k=2, depth=2, total_tokens=50)
-  with pytest.raises(ValueError, match=r"\+ 12 draft slots = 52 exceeds max_len 50"):
-    generate(target, drafter, params, [[5] * 20], max_new_tokens=20, max_len=50)
+  with pytest.raises(ValueError, match=r"prompt length 20 \+ max_new_tokens 20 \+ 10 scratch "
+                     r"slots of the last round's draft tree = 50 exceeds max_len 49"):
+    generate(target, drafter, params, [[5] * 20], max_new_tokens=20, max_len=49)
   other = tiny_hf_model(hidden_size=48, num_attention_heads=4, head_dim=12)
   other_drafter = Eagle2Drafter(target_from_torch(other).config, drafter.tree)
   with pytest.raises(ValueError, match="draft hidden size 48 does not match the target's 72"):

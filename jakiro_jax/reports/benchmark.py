@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import string
 import sys
 
 
@@ -130,17 +131,48 @@ def load_results(out_dir: str) -> list[dict]:
 
 
 def summary_table(results: list[dict]) -> str:
-  """Markdown: one row per (category, temperature, method)."""
+  """Markdown: one row per (category, temperature, method). Where the rows of one category
+  and temperature were measured against different AR runs (an eval_suite resumed into the
+  same directory measures the methods it adds against a new run), each AR tokens/s is
+  marked with its run and a note under the table says so: their speedups do not share
+  a baseline."""
+  results = sorted(results, key=lambda r: (r["temperature"], r["category"], r["method"]))
+  marks = ar_run_marks(results)
   lines = ["| category | T | method | tau | tokens/s | AR tokens/s | speedup | "
            "greedy mismatches | draft forwards/round |",
            "|---|---|---|---|---|---|---|---|---|"]
-  for r in sorted(results, key=lambda r: (r["temperature"], r["category"], r["method"])):
+  for r, mark in zip(results, marks):
     mismatches = ("-" if r.get("greedy_mismatches") is None
                   else f"{r['greedy_mismatches']}/{r['n_questions']}")
+    ar = f"{r['ar_tokens_per_s']:.1f}" + (f" (run {mark})" if mark else "")
     lines.append(f"| {r['category']} | {r['temperature']:g} | {r['method']} | "
-                 f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['ar_tokens_per_s']:.1f} | "
+                 f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {ar} | "
                  f"{r['speedup']:.2f}x | {mismatches} | {r['draft_forwards_per_round']} |")
+  if any(marks):
+    lines += ["", "Rows of one category and T marked with different AR runs (run a, run b, "
+              "...) were measured against different AR baselines (a run resumed into this "
+              "directory measured the methods it added against a new one): compare their "
+              "speedups within one run only, or rerun into an empty directory."]
   return "\n".join(lines) + "\n"
+
+
+def ar_run_marks(results: list[dict]) -> list[str]:
+  """Per result, "" where every result of its category and temperature shares its AR
+  run, else the run's letter (a, b, ...; in order of appearance). One AR run gave each of
+  its results the same baseline fields, floats included."""
+  def run(r):
+    return (r.get("ar_tokens_per_s"), r.get("ar_median_tokens_per_s"), r.get("ar_new_tokens"))
+
+  groups: dict[tuple, list] = {}
+  for r in results:
+    runs = groups.setdefault((r.get("category"), r["temperature"]), [])
+    if run(r) not in runs:
+      runs.append(run(r))
+  marks = []
+  for r in results:
+    runs = groups[(r.get("category"), r["temperature"])]
+    marks.append("" if len(runs) == 1 else string.ascii_lowercase[runs.index(run(r)) % 26])
+  return marks
 
 
 def alpha_by_depth(accept_counts) -> list[float]:

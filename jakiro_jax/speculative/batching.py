@@ -28,6 +28,17 @@ def prompt_bucket(length: int) -> int:
   return bucket
 
 
+def scratch_slots(extra_slots: int) -> int:
+  """Cache slots past a row's last position (prompt + budget) that its last speculative
+  round writes, for rounds that write `extra_slots` from their root's slot. A round runs
+  while the row still owes a token, so its root (the last token sampled, first node of
+  the tree) sits at position <= prompt + budget - 2, and its writes end at slot
+  root + extra_slots - 1: extra_slots - 2 past the positions. (A finished row may write
+  further in a later round of the batch: past the cache its writes are dropped, and its
+  output is final.)"""
+  return max(extra_slots - 2, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class PaddedBatch:
   tokens: np.ndarray  # [B, P] int32, right-padded
@@ -41,8 +52,10 @@ def prepare_batch(config: LlamaConfig, prompts: Sequence[Sequence[int]],
                   extra_slots: int = 0, pad_id: int = 0) -> PaddedBatch:
   """Validates prompts and budgets and pads them into static shapes.
 
-  `extra_slots` reserves cache room past the last committed token (speculative rounds
-  write a whole draft tree there before verification).
+  `extra_slots`: cache slots a speculative round writes from its root's slot on (the
+  draft tree before verification); an explicit `max_len` must hold every row's positions
+  (prompt + max_new_tokens) and the slots the last round writes past them
+  (`scratch_slots`).
   """
   if isinstance(prompts, (str, bytes)) or not len(prompts):
     raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -59,23 +72,24 @@ def prepare_batch(config: LlamaConfig, prompts: Sequence[Sequence[int]],
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   lengths = np.array([len(p) for p in prompts], np.int32)
   padded_len = prompt_bucket(int(lengths.max()))
-  needed = int((lengths + budgets).max()) + extra_slots
+  # The row with the most positions: every sum below is of one row's numbers.
+  longest = int(np.argmax(lengths + budgets))
+  length, budget = int(lengths[longest]), int(budgets[longest])
+  scratch = scratch_slots(extra_slots)
   if max_len is None:
     # Depends on the prompt bucket and budget only, so similar requests share a compile.
     max_len = padded_len + round_up(int(budgets.max()) + extra_slots, CACHE_BUCKET)
-  elif needed > max_len:
+  elif length + budget + scratch > max_len:
     raise ValueError(
-        f"prompt length {int(lengths.max())} + max_new_tokens {int(budgets.max())}"
-        + (f" + {extra_slots} draft slots" if extra_slots else "")
-        + f" = {needed} exceeds max_len {max_len}")
+        f"prompt length {length} + max_new_tokens {budget}"
+        + (f" + {scratch} scratch slots of the last round's draft tree" if scratch else "")
+        + f" = {length + budget + scratch} exceeds max_len {max_len}")
   # Positions, not slots: the draft slots past the last token are the engine's scratch
   # (a draft node past the limit is never kept: the budget ends the row first).
-  longest = int(np.argmax(lengths + budgets))
-  if int(lengths[longest] + budgets[longest]) > config.max_position_embeddings:
+  if length + budget > config.max_position_embeddings:
     raise ValueError(
-        f"prompt length {int(lengths[longest])} + max_new_tokens {int(budgets[longest])} = "
-        f"{int(lengths[longest] + budgets[longest])} exceeds the model's "
-        f"max_position_embeddings {config.max_position_embeddings}")
+        f"prompt length {length} + max_new_tokens {budget} = {length + budget} exceeds "
+        f"the model's max_position_embeddings {config.max_position_embeddings}")
   tokens = np.full((len(prompts), max(padded_len, 1)), pad_id, np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p

@@ -174,26 +174,37 @@ def load_feature_dataset(out_dir):
   return dataset.with_format("numpy"), meta
 
 
+def text_lines(path) -> Iterable[tuple[int, str]]:
+  """(line number, line) of a UTF-8 text file; where a line is not UTF-8, a ValueError
+  that names the file and the line (Python's own names neither)."""
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, 1):
+      try:
+        yield number, raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{number} is not UTF-8 text ({e.reason} at byte "
+                         f"{e.start} of the line)") from None
+
+
 def read_prompts(path, limit: int | None = None) -> list[str]:
   """First user turns of a FastChat-format jsonl file (`{"turns": [...]}` per line)."""
   if not os.path.exists(path):
     raise FileNotFoundError(f"questions file {path} does not exist")
   prompts = []
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-        turn = record["turns"][0]
-      except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-        raise ValueError(f"{path}:{number} is not a FastChat question record "
-                         f"({type(e).__name__}: {e})") from None
-      if not isinstance(turn, str) or not turn.strip():
-        raise ValueError(f"{path}:{number}: the first turn is empty or not text")
-      prompts.append(turn)
-      if limit is not None and len(prompts) >= limit:
-        break
+  for number, line in text_lines(path):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+      turn = record["turns"][0]
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+      raise ValueError(f"{path}:{number} is not a FastChat question record "
+                       f"({type(e).__name__}: {e})") from None
+    if not isinstance(turn, str) or not turn.strip():
+      raise ValueError(f"{path}:{number}: the first turn is empty or not text")
+    prompts.append(turn)
+    if limit is not None and len(prompts) >= limit:
+      break
   if not prompts:
     raise ValueError(f"{path} holds no prompts")
   return prompts

@@ -78,18 +78,18 @@ class NearDuplicateIndex:
 
 def read_questions(paths: Sequence[str]) -> list[str]:
   """Every turn of every record in FastChat-format jsonl files (evaluation sets)."""
+  from jakiro_jax.train.data import text_lines
   texts = []
   for path in paths:
-    with open(path) as f:
-      for number, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          turns = json.loads(line)["turns"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-          raise ValueError(f"{path}:{number} is not a FastChat question record "
-                           f"({type(e).__name__}: {e})") from None
-        texts.extend(t for t in turns if isinstance(t, str))
+    for number, line in text_lines(path):
+      if not line.strip():
+        continue
+      try:
+        turns = json.loads(line)["turns"]
+      except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}:{number} is not a FastChat question record "
+                         f"({type(e).__name__}: {e})") from None
+      texts.extend(t for t in turns if isinstance(t, str))
   return texts
 
 
