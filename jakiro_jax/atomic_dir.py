@@ -77,22 +77,44 @@ def _stale_siblings(parent: str, name: str) -> list[str]:
   finished = os.path.isdir(os.path.join(parent, name))
   for entry in os.listdir(parent):
     if entry.startswith(f".{name}.partial-"):
-      if not _owner_alive(entry[len(f".{name}.partial-"):]):
+      if not _owner_alive(entry[len(f".{name}.partial-"):], os.path.join(parent, entry)):
         stale.append(entry)
     elif entry.startswith(f".{name}.old-") and finished:
-      if not _owner_alive(entry[len(f".{name}.old-"):]):
+      if not _owner_alive(entry[len(f".{name}.old-"):], os.path.join(parent, entry)):
         stale.append(entry)
   return stale
 
 
-def _owner_alive(tag: str) -> bool:
-  """Whether the export that named a temporary `HOST-PID-HEX` may still run: a process of
-  this host that is alive, or any other host's (it cannot be asked). Older unnamed
-  temporaries (`HEX`) are taken as dead."""
+def _owner_alive(tag: str, path: str) -> bool:
+  """Whether the export that named the temporary `path` `...-HOST-PID-HEX` may still run:
+  a process of this host that is alive and started before the temporary was last written
+  (a later one merely reuses the pid), or any other host's (it cannot be asked). Older
+  unnamed temporaries (`HEX`) are taken as dead."""
   owner = tag.split("-")
   if len(owner) != 3 or not owner[1].isdigit():
     return False
-  return owner[0] != _host_tag() or _alive(int(owner[1]))
+  if owner[0] != _host_tag():
+    return True
+  pid = int(owner[1])
+  try:
+    written = os.path.getmtime(path)
+  except OSError:
+    written = None
+  return _alive(pid) and not (written is not None and _started_after(pid, written))
+
+
+def _started_after(pid: int, when: float) -> bool:
+  """Whether process `pid` started after time `when` (Linux's /proc; False where it
+  cannot tell). The boot time there has whole seconds, hence the margin."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+      boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    start = boot + start_ticks / os.sysconf("SC_CLK_TCK")
+  except (OSError, ValueError, IndexError, StopIteration):
+    return False
+  return start > when + 2.0
 
 
 def _host_tag() -> str:
@@ -124,7 +146,8 @@ def clean_stale(out_dir: str | os.PathLike) -> list[str]:
   if not os.path.lexists(out_dir):
     olds = sorted((e for e in os.listdir(parent) if e.startswith(f".{name}.old-")),
                   key=lambda e: os.path.getmtime(os.path.join(parent, e)))
-    if olds and not _owner_alive(olds[-1][len(f".{name}.old-"):]):
+    if olds and not _owner_alive(olds[-1][len(f".{name}.old-"):],
+                                 os.path.join(parent, olds[-1])):
       os.rename(os.path.join(parent, olds[-1]), out_dir)
   removed = []
   for entry in _stale_siblings(parent, name):

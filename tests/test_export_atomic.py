@@ -383,6 +383,27 @@ def test_a_running_exports_temporary_is_left_alone(tmp_path):
   assert alive.exists() and elsewhere.exists()
 
 
+def test_a_temporary_whose_pid_was_reused_is_dead(tmp_path):
+  """A process alive under the temporary's pid but started after it was written is not
+  its writer: the previous directory a killed export left as `.old-` is put back."""
+  import subprocess
+  import time
+  from jakiro_jax.atomic_dir import _host_tag, clean_stale
+  out = tmp_path / "draft"
+  later = subprocess.Popen(["sleep", "60"])
+  try:
+    old = tmp_path / f".draft.old-{_host_tag()}-{later.pid}-0123456789ab"
+    old.mkdir()
+    (old / "draft.json").write_text("{}")
+    hour_ago = time.time() - 3600
+    os.utime(old, (hour_ago, hour_ago))
+    clean_stale(out)
+    assert (out / "draft.json").read_text() == "{}" and not old.exists()
+  finally:
+    later.kill()
+    later.wait()
+
+
 def test_overwrite_refuses_files_no_export_wrote(tmp_path, targets):
   old, new = targets
   out = tmp_path / "hf"
