@@ -607,22 +607,29 @@ def finished_run(tiny_target, feature_set, tmp_path_factory):
   return config, data_dir, out, result.params
 
 
-@pytest.mark.parametrize("kind", ["truncated", "deleted", "random_bytes", "empty_dir"])
-def test_resume_sets_a_damaged_checkpoint_aside(finished_run, tmp_path, kind):
+def _resume_after(finished_run, tmp_path, damage):
+  """(out, log lines, result) of `--resume` on a copy of the finished run whose newest
+  checkpoint `damage(path)` changed; asserts the run ends with the unharmed run's bits."""
   import shutil
   config, data_dir, whole, reference = finished_run
   out = tmp_path / "run"
   shutil.copytree(whole, out)
-  _damage(out / "checkpoints" / "8", kind)
+  damage(out / "checkpoints" / "8")
   said = []
   resumed = train(config, data_dir, out, resume=True, log=said.append)
+  for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference)):
+    assert np.array_equal(np.asarray(got), np.asarray(want))  # as if resumed from 6
+  return out, said, resumed
+
+
+@pytest.mark.parametrize("kind", ["truncated", "deleted", "random_bytes", "empty_dir"])
+def test_resume_sets_a_damaged_checkpoint_aside(finished_run, tmp_path, kind):
+  out, said, resumed = _resume_after(finished_run, tmp_path, lambda p: _damage(p, kind))
   assert said[0].startswith(f"checkpoint 8 in {out / 'checkpoints'} is damaged"), said[:2]
   assert len(said[0].splitlines()) == 1
   assert "resumed at step 6" in said[1]
   assert os.path.isdir(out / "checkpoints" / "8.damaged")  # kept for a person to look at
   assert resumed.step == 8
-  for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference)):
-    assert np.array_equal(np.asarray(got), np.asarray(want))  # as if resumed from 6
 
 
 @pytest.mark.parametrize("field", ["vocab_subset", "position", "setting"])
@@ -630,20 +637,13 @@ def test_resume_sets_a_checkpoint_with_damaged_meta_aside(finished_run, tmp_path
   """A meta value changed on disk that still decodes (a vocab subset id, the data
   position, a setting) fails the checkpoint's record: set aside, and the run ends with the
   bits and the draft vocabulary of a resume from the checkpoint before."""
-  import shutil
-  config, data_dir, whole, reference = finished_run
-  out = tmp_path / "run"
-  shutil.copytree(whole, out)
-  _damage_meta(out / "checkpoints" / "8", field)
-  said = []
-  resumed = train(config, data_dir, out, resume=True, log=said.append)
+  whole = finished_run[2]
+  out, said, _ = _resume_after(finished_run, tmp_path, lambda p: _damage_meta(p, field))
   meta_file = out / "checkpoints" / "8" / "meta" / "metadata"
   assert said[0].startswith(f"checkpoint 8 in {out / 'checkpoints'} is damaged "
                             f"(CheckpointDamaged: {meta_file} is damaged"), said[:2]
   assert len(said[0].splitlines()) == 1 and "resumed at step 6" in said[1]
   assert os.path.isdir(out / "checkpoints" / "8.damaged")
-  for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference)):
-    assert np.array_equal(np.asarray(got), np.asarray(want))
   shipped = json.loads((out / "draft" / "draft.json").read_text())["options"]["draft_vocab"]
   assert shipped == json.loads((whole / "draft" / "draft.json").read_text())[
       "options"]["draft_vocab"]
@@ -652,20 +652,16 @@ def test_resume_sets_a_checkpoint_with_damaged_meta_aside(finished_run, tmp_path
 def test_resume_sets_an_inconsistent_checkpoint_aside(finished_run, tmp_path):
   """A checkpoint whose files match its record but whose data position is not its step's
   (written so by a fault) is set aside too, not an input error."""
-  import shutil
   from jakiro_jax.integrity import write_record
-  config, data_dir, whole, reference = finished_run
-  out = tmp_path / "run"
-  shutil.copytree(whole, out)
-  _damage_meta(out / "checkpoints" / "8", "position")
-  write_record(out / "checkpoints" / "8")
-  said = []
-  resumed = train(config, data_dir, out, resume=True, log=said.append)
+
+  def position_then_record(path):
+    _damage_meta(path, "position")
+    write_record(path)
+
+  out, said, _ = _resume_after(finished_run, tmp_path, position_then_record)
   assert said[0].startswith(f"checkpoint 8 in {out / 'checkpoints'} is damaged "
                             f"(CheckpointDamaged: inconsistent: step 8, position"), said[:2]
   assert "resumed at step 6" in said[1]
-  for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference)):
-    assert np.array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_checkpoint_record_covers_state_and_meta(tmp_path, caplog):
