@@ -197,3 +197,17 @@ def test_every_method_implements_the_interface():
     assert isinstance(cls.measured_tau, dict) and isinstance(cls.training_recipe(), dict)
     assert {"v_weight", "p_weight", "ttt_steps"} <= set(
         f.name for f in dataclasses.fields(cls.loss_settings))
+
+
+@pytest.mark.parametrize("value, error", [
+    ("no_such_package.module:Drafter", "ModuleNotFoundError"),
+    ("jakiro_jax.drafts.eagle2:NoSuchClass", "AttributeError")])
+def test_an_entry_point_that_fails_to_load_is_named(monkeypatch, value, error):
+  from importlib import metadata
+  broken = metadata.EntryPoint(name="broken", value=value, group=registry.ENTRY_POINT_GROUP)
+  monkeypatch.setattr(registry, "_plugins", lambda: {"broken": broken})
+  with pytest.raises(ImportError, match=rf"draft method 'broken' \(entry point "
+                                        rf"jakiro_jax.drafters: broken = '{value}'\) failed "
+                                        rf"to load: {error}"):
+    registry.get("broken")
+  assert "broken" not in registry._registered

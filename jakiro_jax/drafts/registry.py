@@ -11,6 +11,7 @@ import, the launchers) comes through here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from importlib import metadata
 from typing import Mapping
@@ -65,16 +66,28 @@ def register(cls: type) -> type:
   return cls
 
 
+def unregister(name: str) -> None:
+  """Forgets a class `register` added (tests that register a method of their own)."""
+  _registered.pop(name, None)
+
+
 def get(name: str) -> type:
-  """The drafter class of method `name`."""
+  """The drafter class of method `name`. A module or entry point that fails to load is
+  an ImportError naming the method, the entry point and the original error."""
   if name not in _registered:
     if name in BUILTIN:
-      _registered[name] = _load(BUILTIN[name])
+      where, load = f"built in as {BUILTIN[name]!r}", functools.partial(_load, BUILTIN[name])
     else:
       plugins = _plugins()
       if name not in plugins:
         raise ValueError(f"unknown draft method {name!r}; available: {sorted(names())}")
-      _registered[name] = plugins[name].load()
+      where = f"entry point {ENTRY_POINT_GROUP}: {name} = {plugins[name].value!r}"
+      load = plugins[name].load
+    try:
+      _registered[name] = load()
+    except Exception as e:  # a plugin's own import error, a misspelt attribute, ...
+      raise ImportError(f"draft method {name!r} ({where}) failed to load: "
+                        f"{type(e).__name__}: {e}") from e
   return _registered[name]
 
 
