@@ -307,6 +307,15 @@ def test_online_and_stored_features_give_the_same_loss(tiny_target, feature_set)
 
 # ---------------------------------------------------------------- validation metrics
 
+def test_the_log_line_shows_every_term_of_the_objective():
+  from jakiro_jax.train.trainer import _train_line
+  values = dict(loss=1.0, lr=1e-3, grad_norm=0.5, tokens_per_s=100.0, steps_per_s=1.0,
+                elapsed_s=3.0, epoch=0, vloss=0.2, contrast=0.3, head2_ce=0.4)
+  line = _train_line(4, 8, values)
+  assert "| contrast 0.3000 head2_ce 0.4000 vloss 0.2000 |" in line, line
+  assert "epoch" not in line and "tokens_per_s" not in line
+
+
 def test_acceptance_counting_by_hand():
   # One row, T = 6; greedy g_s; data next tokens x_{s+1}; mask on s = 1..4.
   greedy = jnp.asarray([[10, 11, 12, 13, 14, 15]])

@@ -487,9 +487,16 @@ def _evaluate(batches, params, target_params, head: TargetHead, drafter, online:
   return summarize(hits, trials)
 
 
+# What a train record holds besides the objective's terms (`_window_values`).
+_RECORD_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "steps_per_s", "elapsed_s",
+                  "epoch", "step")
+
+
 def _train_line(step: int, total: int, values: dict) -> str:
+  """One log line: the loss and every term the method's objective returned (whatever
+  their names), then the optimiser's and throughput numbers."""
   terms = " ".join(f"{k} {values[k]:.4f}" for k in sorted(values)
-                   if k.startswith(("vloss", "ploss")))
+                   if k not in _RECORD_FIELDS)
   return (f"step {step}/{total} | loss {values['loss']:.4f} | {terms} | "
           f"lr {values['lr']:.2e} | gnorm {values['grad_norm']:.3f} | "
           f"{values['tokens_per_s']:.0f} tok/s {values['steps_per_s']:.2f} steps/s | "
