@@ -39,34 +39,64 @@ def _our_files(out_dir: str) -> set[str]:
     return set()
 
 
-def _files_under(directory: str) -> list[str]:
-  return sorted(os.path.relpath(os.path.join(root, name), directory)
-                for root, _, names in os.walk(directory) for name in names)
+def _entries_under(directory: str) -> list[str]:
+  """Every file, link and empty folder under `directory`, relative, links not followed:
+  what replacing the directory removes. Links to folders read `NAME -> TARGET (a link)`,
+  empty folders `NAME/ (an empty folder)`."""
+  entries = []
+  for root, dirs, names in os.walk(directory):
+    relative = os.path.relpath(root, directory)
+    if relative != "." and not dirs and not names:
+      entries.append(f"{relative}/ (an empty folder)")
+    entries += [os.path.relpath(os.path.join(root, name), directory) for name in names]
+    for name in dirs:  # os.walk lists links to folders here and does not enter them
+      path = os.path.join(root, name)
+      if os.path.islink(path):
+        entries.append(f"{os.path.relpath(path, directory)} -> {os.readlink(path)} (a link)")
+  return sorted(entries)
+
+
+class DestinationExists(FileExistsError):
+  """A destination an export may not replace: not empty (without overwrite), or holding
+  entries no export wrote (without force). `message` words it for a library call
+  (`overwrite=True`) or a command line (`--overwrite`): launch/cli.py asks for the latter,
+  whichever check (before the work or at the swap) raised it."""
+
+  def __init__(self, out_dir: str, foreign: list[str] | None = None,
+               flags: tuple[str, str] = ("overwrite=True", "force=True")):
+    self.out_dir, self.foreign = out_dir, foreign
+    super().__init__(self.message(*flags))
+
+  def message(self, overwrite_flag: str, force_flag: str) -> str:
+    if self.foreign is None:
+      return f"{self.out_dir} is not empty; pass {overwrite_flag} to replace it"
+    shown = ", ".join(self.foreign[:5]) + (f" and {len(self.foreign) - 5} more"
+                                           if len(self.foreign) > 5 else "")
+    return (f"{self.out_dir} holds files no export wrote ({shown}); {overwrite_flag} "
+            f"replaces the whole directory: add {force_flag} to delete them too, or choose "
+            f"another directory")
 
 
 def check_destination(out_dir: str | os.PathLike, overwrite: bool = False,
                       flag: str = "overwrite=True", force: bool = False) -> str:
-  """The absolute path of `out_dir`; FileExistsError if it holds anything and not
-  `overwrite` (the message names `flag`: a CLI passes "--overwrite"), or if it holds files
-  an export of ours did not write and not `force` (a user's notes are not deleted without
-  a word); NotADirectoryError if it is a file. Temporaries a killed export left beside
+  """The absolute path of `out_dir`; `DestinationExists` (a FileExistsError) if it holds
+  anything and not `overwrite` (the message names `flag`: a CLI passes "--overwrite"), or
+  if it holds files, links or empty folders an export of ours did not write and not
+  `force` (a user's notes are not deleted without a word: the message names each);
+  NotADirectoryError if it is a file. Temporaries a killed export left beside
   `out_dir` are cleaned first (`clean_stale`). Cheap: call it before heavy work."""
   out_dir = os.path.abspath(os.fspath(out_dir))
   clean_stale(out_dir)
   if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
     raise NotADirectoryError(f"{out_dir} exists and is not a directory")
+  flags = (flag, "--force" if flag.startswith("--") else "force=True")
   if os.path.isdir(out_dir) and os.listdir(out_dir):
     if not overwrite:
-      raise FileExistsError(f"{out_dir} is not empty; pass {flag} to replace it")
+      raise DestinationExists(out_dir, flags=flags)
     ours = _our_files(out_dir) | {MANIFEST}
-    foreign = [f for f in _files_under(out_dir) if f not in ours]
+    foreign = [f for f in _entries_under(out_dir) if f not in ours]
     if foreign and not force:
-      force_flag = "--force" if flag.startswith("--") else "force=True"
-      shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
-                                        else "")
-      raise FileExistsError(f"{out_dir} holds files no export wrote ({shown}); "
-                            f"{flag} replaces the whole directory: add {force_flag} to "
-                            f"delete them too, or choose another directory")
+      raise DestinationExists(out_dir, foreign, flags)
   return out_dir
 
 

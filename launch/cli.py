@@ -45,7 +45,7 @@ def run(main) -> None:
       if _DEBUG.value:
         raise
       hint = "" if isinstance(e, app.UsageError) else " (--debug shows the traceback)"
-      print(f"error: {_first_line(e)}{hint}", file=sys.stderr)
+      print(f"error: {_command_line_words(e)}{hint}", file=sys.stderr)
       sys.exit(2)
     except Exception as e:  # a bug, not the user's input
       if _DEBUG.value:
@@ -54,6 +54,15 @@ def run(main) -> None:
             f"the traceback, and report it)", file=sys.stderr)
       sys.exit(1)
   app.run(guarded, flags_parser=_parse_flags)
+
+
+def _command_line_words(e: Exception) -> str:
+  """The error's first line, with a library's `overwrite=True` / `force=True` as the
+  flags that set them (a destination refused at the swap says it as the library does)."""
+  from jakiro_jax.atomic_dir import DestinationExists
+  if isinstance(e, DestinationExists):
+    return e.message("--overwrite", "--force")
+  return _first_line(e)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -417,3 +417,57 @@ def test_overwrite_refuses_files_no_export_wrote(tmp_path, targets):
   write_target_hf_dir(old, out, overwrite=True, force=True)
   assert not (out / "notes.txt").exists()
   _assert_same_params(load_target(out, with_tokenizer=False).params, old.params)
+
+
+def test_overwrite_names_empty_folders_and_links_it_would_remove(tmp_path, targets):
+  old, new = targets
+  out, elsewhere = tmp_path / "hf", tmp_path / "kept"
+  write_target_hf_dir(old, out)
+  elsewhere.mkdir()
+  (elsewhere / "mine.txt").write_text("mine")
+  (out / "empty").mkdir()
+  os.symlink(elsewhere, out / "linked")
+  with pytest.raises(FileExistsError, match=re.escape(
+      f"holds files no export wrote (empty/ (an empty folder), linked -> {elsewhere} "
+      f"(a link)); overwrite=True replaces the whole directory: add force=True")):
+    write_target_hf_dir(new, out, overwrite=True)
+  assert (out / "empty").is_dir() and (out / "linked").is_symlink()
+  write_target_hf_dir(new, out, overwrite=True, force=True)
+  assert not (out / "empty").exists() and not (out / "linked").exists()
+  assert (elsewhere / "mine.txt").read_text() == "mine"  # a link's target is not entered
+
+
+_RACED_EXPORT = """
+import os, sys
+from jakiro_jax import atomic_dir
+from launch import cli, export
+
+out = sys.argv[-1].split("=", 1)[1]
+real = atomic_dir.write_record
+def write_record(tmp):  # another export fills --out while this one writes
+  os.makedirs(out, exist_ok=True)
+  open(os.path.join(out, "config.json"), "w").close()
+  real(tmp)
+atomic_dir.write_record = write_record
+sys.argv = ["launch/export.py", *sys.argv[1:]]
+cli.run(export.main)
+"""
+
+
+def test_an_export_raced_at_the_swap_names_the_flag_of_its_caller(tmp_path, targets):
+  old, _ = targets
+  source, out = tmp_path / "source", tmp_path / "out"
+  write_target_hf_dir(old, source)
+  result = subprocess.run([sys.executable, "-c", _RACED_EXPORT, f"--target={source}",
+                           "--format=hf", f"--out={out}"], cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 2, result.stderr
+  assert _own_lines(result.stderr)[-1] == (f"error: {out} is not empty; pass --overwrite to "
+                                           f"replace it (--debug shows the traceback)")
+  # The library call says it in its own words.
+  from jakiro_jax.atomic_dir import atomic_dir as write_all
+  with pytest.raises(FileExistsError, match=r"is not empty; pass overwrite=True"):
+    with write_all(tmp_path / "lib"):
+      (tmp_path / "lib").mkdir()
+      (tmp_path / "lib" / "x").write_text("x")
