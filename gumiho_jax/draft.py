@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.drafts.base import (Chain, DraftHead, add_unrolled_losses, fc_params,
+from jakiro_jax.drafts.base import (Chain, FcDraftHead, add_unrolled_losses, fc_params,
                                     fuse_token_and_feature)
 from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
 from jakiro_jax.models.config import LlamaConfig
@@ -102,7 +102,7 @@ class MLPHead(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class GumihoDrafter(DraftHead):
+class GumihoDrafter(FcDraftHead):
   tree: TreeConfig = DEFAULT_TREE
   mlp_num: int = 5
   mlp_topk: int = 35

@@ -101,12 +101,29 @@ def fuse_token_and_feature(embeds, features, weight, bias, feature_fc=None):
 
 @dataclasses.dataclass(frozen=True)
 class DraftHead:
-  """Shared implementation of the trained heads (fc over [embedding ; feature], then
-  Transformer layers with a KV cache, candidates scored through the target's lm_head).
-  Subclasses set `name`, `module()` and `draft`; the rest has sensible defaults."""
+  """Shared implementation of the trained heads: a Flax module over (token, target
+  feature) pairs with a KV cache, candidates scored through the target's lm_head.
+  EAGLE's fc over [embedding ; feature] and its `fc_bias` option are `FcDraftHead`'s.
+
+  A subclass sets `name` and implements `module()`, `draft(RoundInputs)` and
+  `step_loss` (or a whole `objective`); the rest has defaults that fit a one-forward-per-
+  tree-step head. Every member, by who reads it:
+    generation (`speculative.drafter.GenerationDrafter`; `generate`, `round_timing`):
+      name, target_config, tree, draft_vocab, feature_layers, init_params, init_boxed,
+      new_cache (its result has `lengths [B]`, `max_len` and `replace`),
+      extra_cache_slots, forward, carry, draft, verification_plan, accept,
+      draft_forwards_per_round, candidate_widths (`registry.make_drafter`)
+    training (`train.objectives.TrainingDrafter`; trainer, metrics): loss_settings,
+      training_feature_layers, objective (default: `step_loss` + training-time test),
+      loss_phase, chain_steps, validation_chain, draft_features
+    export (`drafts.torch_layout.TorchLayout`; `export/`, launch.export / import_draft):
+      torch_layout (None: no PyTorch layout)
+    configuration and tuning (registry, `tree_tuning`, reports): inference_options,
+      derives_tree, reads_fused, tree_for, tree_grid, small_tree, papers_tree,
+      training_recipe, measured_tau
+  """
   target_config: LlamaConfig
   tree: TreeConfig = TreeConfig()
-  fc_bias: bool = True
   # Drafting only: candidates are drawn from these token ids (ascending), so each draft
   # forward multiplies by K rows of the lm_head instead of V. Still lossless (verification
   # never trusts the draft); () = the full vocabulary.
@@ -345,6 +362,15 @@ class DraftHead:
     """The paper's training settings for a 7B target (`trainer.default_config` keys);
     the loss weights are `loss_settings`' defaults."""
     return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class FcDraftHead(DraftHead):
+  """A `DraftHead` whose first step is EAGLE's fc over [embedding ; feature]
+  (`fc_params`, `fuse_token_and_feature`): EAGLE-2/3, Jakiro, Jakiro*, Gumiho. Its
+  `fc_bias` option is saved in draft.json and written to the EAGLE layouts' config.json;
+  heads without an fc have neither."""
+  fc_bias: bool = True
 
 
 class Chain:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import flax.struct
 
-from jakiro_jax.drafts.base import DraftHead, fc_params, fuse_token_and_feature
+from jakiro_jax.drafts.base import FcDraftHead, fc_params, fuse_token_and_feature
 from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
 import jakiro_jax.drafts.torch_layout as tl
 from jakiro_jax.models.config import LlamaConfig
@@ -46,7 +46,7 @@ class BeamState:
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle2Drafter(DraftHead):
+class Eagle2Drafter(FcDraftHead):
   """Hashable description of an EAGLE-2 drafter (a static argument of the jitted loop)."""
   name: ClassVar[str] = "eagle2"
   reads_fused: ClassVar[bool] = True

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.drafts.base import (Chain, DraftHead, draft_layer_config, fc_params,
+from jakiro_jax.drafts.base import (Chain, FcDraftHead, draft_layer_config, fc_params,
                                     fuse_token_and_feature)
 from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
 import jakiro_jax.drafts.torch_layout as tl
@@ -163,7 +163,7 @@ def reference_draw(key: jax.Array, scaled_logits: jax.Array, count: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class JakiroStarDrafter(DraftHead):
+class JakiroStarDrafter(FcDraftHead):
   """`tree` is derived from `choices` (leave it None); `reference_parity=True` drafts and
   verifies with the original's rule, which does NOT preserve the target distribution."""
   tree: Any = None
