@@ -65,6 +65,7 @@ def export_draft(draft: str, target_source: str, method: str, out: str, dtype: s
   from jakiro_jax.export import write_reference_dir
   from jakiro_jax.export.reference_dir import draft_vocab_warning
   from jakiro_jax.drafts.torch_layout import layout_of
+  from jakiro_jax.speculative.drafter import TargetHead
   from jakiro_jax.target import load_target
 
   check_destination(out, overwrite, "--overwrite", force)  # before the target loads
@@ -81,8 +82,10 @@ def export_draft(draft: str, target_source: str, method: str, out: str, dtype: s
   embedding = None
   if with_embedding or layout.embedding_required:
     embedding = target.params["params"]["embed_tokens"]["embedding"]
+  # The target's weights a layout copies into its files (`TorchLayout.target_tensors`).
+  head = TargetHead.of(target.config, target.params)
   paths = write_reference_dir(out, drafter, params, embedding, dtype, formats, overwrite,
-                              force, variant)
+                              force, variant, target=head)
   warning = draft_vocab_warning(drafter)
   if warning:
     print(f"warning: {warning}", file=sys.stderr)

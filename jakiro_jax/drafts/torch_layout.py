@@ -26,6 +26,9 @@ EMBEDDING = "embed_tokens.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
+WEIGHT_FILES = {"bin": "pytorch_model.bin", "safetensors": "model.safetensors"}
+
+
 def check_reference_compatible(cfg) -> None:
   """Raises ValueError if the reference attention cannot express this target's layer."""
   if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
@@ -115,6 +118,11 @@ def _no_extras(drafter) -> dict:
   return {}
 
 
+def check_attention_layer(drafter) -> None:
+  """The EAGLE layouts' check: the reference attention can express the draft's layer."""
+  check_reference_compatible(drafter.layer_config)
+
+
 def one_layer_options(state: Mapping, config: Mapping, options: dict, tree, where: str):
   """Import options of a one-layer head: its fc bias from config.json; more than one
   layer is refused. Returns (options, tree)."""
@@ -127,9 +135,21 @@ def one_layer_options(state: Mapping, config: Mapping, options: dict, tree, wher
 
 @dataclasses.dataclass(frozen=True)
 class TorchLayout:
-  """How one method's params map to the original PyTorch state dict and config.json."""
+  """The export role: how one method's params map to the original PyTorch state dict,
+  its weight files and its config.json. The defaults describe the EAGLE layouts (an EConfig
+  config.json, `pytorch_model.bin` / `model.safetensors`, the reference attention); a head
+  of another kind sets `write_config` (its own config dict), `weight_files`,
+  `target_tensors` (the target's weights its files copy, e.g. the lm_head) and
+  `check=None` (no attention layer to check).
+
+  Export calls `check(drafter)`, `shapes(drafter)`, `to_reference(drafter, params)` (with
+  `target_tensors`: `to_reference(drafter, params, {name: array})`) and
+  `write_config(drafter, dtype)`; import calls `normalize_keys`, `recognizes`,
+  `read_config` or `read_options`, then `from_reference(drafter, state)`.
+  """
   shapes: Callable[[Any], dict]  # drafter -> {reference name: shape}, embedding excluded
-  to_reference: Callable[[Any, Mapping], dict]  # (drafter, params["params"]) -> state
+  # (drafter, params["params"][, target tensors]) -> state
+  to_reference: Callable[..., dict]
   from_reference: Callable[[Any, Mapping], dict]  # (drafter, state) -> params["params"]
   recognizes: Callable[[Mapping], bool]  # whether a state dict has this layout
   guess_priority: int = 0  # layouts that recognize more specific names are asked first
@@ -153,6 +173,14 @@ class TorchLayout:
   variants: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
   stores_draft_vocab: bool = False  # the layout holds the draft vocabulary (EAGLE-3's d2t)
   import_options: tuple[str, ...] = ()  # what `read_config` takes besides drafter options
+  # Weight format ("bin", "safetensors") -> the file name the original code reads.
+  weight_files: Mapping[str, str] = dataclasses.field(default_factory=lambda: WEIGHT_FILES)
+  # `TargetHead` fields ("embedding", "lm_head") the state dict copies from the target:
+  # export hands them to `to_reference` as a third argument {name: array}.
+  target_tensors: tuple[str, ...] = ()
+  # drafter -> None, or a ValueError when the original code cannot express this draft
+  # (default: its attention layer against the reference attention); None: nothing to check.
+  check: Callable[[Any], None] | None = check_attention_layer
 
 
 def layout_of(drafter) -> TorchLayout:
@@ -170,15 +198,29 @@ def reference_shapes(drafter) -> dict[str, tuple[int, ...]]:
   return layout_of(drafter).shapes(drafter)
 
 
-def to_reference_state_dict(drafter, params: Mapping, embedding=None) -> dict[str, np.ndarray]:
+def check_exportable(drafter) -> None:
+  """ValueError when the original code cannot express this draft (`TorchLayout.check`)."""
+  layout = layout_of(drafter)
+  if layout.check is not None:
+    layout.check(drafter)
+
+
+def to_reference_state_dict(drafter, params: Mapping, embedding=None,
+                            target: Mapping | None = None) -> dict[str, np.ndarray]:
   """Our params `{"params": ...}` -> reference name -> array ([out, in] Linear weights).
 
   `embedding [V, D]` (the target's) is added as `embed_tokens.weight` when given; a layout
-  with `embedding_required` needs it.
+  with `embedding_required` needs it. `target`: the target's tensors by `TargetHead`
+  field name (or the `TargetHead` itself), of which the layout's `target_tensors` reach
+  its `to_reference`.
   """
-  check_reference_compatible(drafter.layer_config)  # the draft's layer (its RoPE may be its own)
+  check_exportable(drafter)  # e.g. the draft's attention layer (its RoPE may be its own)
   layout = layout_of(drafter)
-  state = layout.to_reference(drafter, params["params"])
+  if layout.target_tensors:
+    state = layout.to_reference(drafter, params["params"],
+                                target_tensors_for(drafter, target))
+  else:
+    state = layout.to_reference(drafter, params["params"])
   cfg = drafter.target_config
   if embedding is not None:
     embedding = np.asarray(embedding)
@@ -191,6 +233,20 @@ def to_reference_state_dict(drafter, params: Mapping, embedding=None) -> dict[st
                      f"checkpoint: pass the target's embedding")
   check_state_dict(drafter, state)  # our own params may be mis-shaped too
   return {k: np.ascontiguousarray(v) for k, v in state.items()}
+
+
+def target_tensors_for(drafter, target) -> dict[str, np.ndarray]:
+  """{name: array} of the target tensors the layout names (`target_tensors`), from a
+  `TargetHead` or a mapping; a ValueError naming those missing."""
+  names = layout_of(drafter).target_tensors
+  get = (target.get if isinstance(target, Mapping)
+         else (lambda name: getattr(target, name, None)))
+  found = {} if target is None else {n: get(n) for n in names if get(n) is not None}
+  missing = [n for n in names if n not in found]
+  if missing:
+    raise ValueError(f"the {drafter.name} layout copies the target's {', '.join(missing)} "
+                     f"into its files: pass the target's tensors (target=TargetHead.of(...))")
+  return {n: np.asarray(v) for n, v in found.items()}
 
 
 def check_state_dict(drafter, state: Mapping) -> None:

@@ -26,7 +26,7 @@ from jakiro_jax.integrity import verify_dir
 from jakiro_jax.models.convert import _load_safetensors_any_dtype
 
 log = logging.getLogger(__name__)
-BIN, SAFETENSORS = "pytorch_model.bin", "model.safetensors"
+BIN, SAFETENSORS = tl.WEIGHT_FILES["bin"], tl.WEIGHT_FILES["safetensors"]  # EAGLE's names
 FORMATS = ("bin", "safetensors")
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16"}
 # The draft vocabulary (`draft_vocab`: the token subset a draft proposes from) has no
@@ -46,12 +46,18 @@ def default_formats(method: str) -> tuple[str, ...]:
 
 
 def reference_config(drafter, dtype: str = "float32") -> dict:
-  """The config.json of the original draft (EConfig fields + the extras its loader reads)."""
-  cfg = drafter.target_config
+  """The config.json of the original draft: the layout's own (`write_config`), else the
+  EAGLE layouts' EConfig fields + the extras its loader reads."""
   layout = tl.layout_of(drafter)
-  tl.check_reference_compatible(drafter.layer_config)
+  tl.check_exportable(drafter)
   if layout.write_config is not None:  # a layout with its own config.json (EAGLE-3)
     return layout.write_config(drafter, DTYPES.get(dtype, dtype))
+  return eagle_config(drafter, layout, dtype)
+
+
+def eagle_config(drafter, layout, dtype: str) -> dict:
+  """EConfig: the draft's layer as a Llama config, its fc bias and the layout's extras."""
+  cfg = drafter.target_config
   layer = drafter.layer_config  # Jakiro*: RoPE base 10000 and no q/k/v bias, as it runs
   scaling = dict(cfg.rope_scaling or ())
   config = {
@@ -98,10 +104,13 @@ def draft_vocab_warning(drafter) -> str | None:
 def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "float32",
                         formats: Iterable[str] | None = None,
                         overwrite: bool = False, force: bool = False,
-                        variant: str | None = None) -> list[str]:
+                        variant: str | None = None, target=None) -> list[str]:
   """Writes config.json + weights the original code loads; returns the written paths.
 
   embedding `[V, D]`: the target's, stored as `embed_tokens.weight` (Gumiho needs it).
+  target: the target's tensors (a `TargetHead` or {field: array}) for a layout whose files
+  copy some (`TorchLayout.target_tensors`, e.g. a head's lm_head); the weight files are
+  the layout's `weight_files`.
   dtype: "float32" or "float16" (weights; index tensors such as EAGLE-3's d2t and t2d keep
   theirs). formats: subset of ("bin", "safetensors"). variant: another layout of the
   method (its `TorchLayout.variants`, e.g. eagle3's "speculators"); None = the original's.
@@ -123,20 +132,21 @@ def write_reference_dir(out_dir, drafter, params, embedding=None, dtype: str = "
   torch = None
   if "bin" in formats:  # also before it: a missing torch fails fast
     torch = _import_torch(f"writing {BIN}", "pass --safetensors (no torch needed)")
-  state = tl.to_reference_state_dict(drafter, params, embedding)
+  state = tl.to_reference_state_dict(drafter, params, embedding, target)
   state = {k: np.ascontiguousarray(np.asarray(v).astype(dtype) if tl.is_weight(v) else v)
            for k, v in state.items()}
   config = reference_config(drafter, dtype)
   if variant is not None:
     state, config = layout.variants[variant](drafter, state, config)
-  names = [n for f, n in (("bin", BIN), ("safetensors", SAFETENSORS)) if f in formats]
+  files = layout.weight_files
+  names = [files[f] for f in FORMATS if f in formats]
   with atomic_dir(out_dir, overwrite, force) as tmp:
     if torch is not None:
       torch.save({k: torch.from_numpy(v.copy()) for k, v in state.items()},
-                 os.path.join(tmp, BIN))
+                 os.path.join(tmp, files["bin"]))
     if "safetensors" in formats:
       from safetensors.numpy import save_file
-      save_file(state, os.path.join(tmp, SAFETENSORS), metadata={"format": "pt"})
+      save_file(state, os.path.join(tmp, files["safetensors"]), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config, f, indent=2)
   return [os.path.join(out_dir, n) for n in ["config.json"] + names]
@@ -151,25 +161,29 @@ def _import_torch(what: str, alternative: str):
   return torch
 
 
-def read_state_dict(src_dir) -> tuple[dict[str, np.ndarray], str]:
+def read_state_dict(src_dir, weight_files=None) -> tuple[dict[str, np.ndarray], str]:
   """(name -> numpy array, path read) of a reference directory; `module.` prefixes stripped.
 
-  `pytorch_model.bin` wins over `model.safetensors`, like the original loaders; when both
-  exist they must hold the same tensors (names, shapes, values), else ValueError naming
-  both: one may be left over from an earlier export.
+  `pytorch_model.bin` wins over `model.safetensors` (`weight_files`: a layout's own names
+  for the two), like the original loaders; when both exist they must hold the same
+  tensors (names, shapes, values), else ValueError naming both: one may be left over from
+  an earlier export.
   """
   src_dir = os.fspath(src_dir)
-  bin_path, st_path = os.path.join(src_dir, BIN), os.path.join(src_dir, SAFETENSORS)
+  files = weight_files or tl.WEIGHT_FILES
+  bin_name, st_name = files["bin"], files["safetensors"]
+  bin_path, st_path = os.path.join(src_dir, bin_name), os.path.join(src_dir, st_name)
   if os.path.exists(bin_path):
     state, path = _strip_module(_read_bin(bin_path)), bin_path
     if os.path.exists(st_path):
-      _check_same_tensors(src_dir, state, _strip_module(_read_safetensors(st_path)))
+      _check_same_tensors(src_dir, state, _strip_module(_read_safetensors(st_path)),
+                          bin_name, st_name)
       log.info("%s holds both %s and %s (the same tensors): reading %s, as the original "
-               "loaders do", src_dir, BIN, SAFETENSORS, BIN)
+               "loaders do", src_dir, bin_name, st_name, bin_name)
   elif os.path.exists(st_path):
     state, path = _strip_module(_read_safetensors(st_path)), st_path
   else:
-    raise FileNotFoundError(f"{src_dir} holds neither {BIN} nor {SAFETENSORS}")
+    raise FileNotFoundError(f"{src_dir} holds neither {bin_name} nor {st_name}")
   return state, path
 
 
@@ -178,19 +192,20 @@ def _strip_module(state: Mapping) -> dict:
   return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state.items()}
 
 
-def _check_same_tensors(src_dir, from_bin: Mapping, from_st: Mapping) -> None:
+def _check_same_tensors(src_dir, from_bin: Mapping, from_st: Mapping, bin_name: str = BIN,
+                        st_name: str = SAFETENSORS) -> None:
   """ValueError naming both files unless they hold the same names, shapes and values
   (compared in the narrower dtype where an fp16 and an fp32 copy meet)."""
   problems = []
   only_bin, only_st = sorted(set(from_bin) - set(from_st)), sorted(set(from_st) - set(from_bin))
   if only_bin:
-    problems.append(f"only in {BIN}: {only_bin[:4]}{' ...' if len(only_bin) > 4 else ''}")
+    problems.append(f"only in {bin_name}: {only_bin[:4]}{' ...' if len(only_bin) > 4 else ''}")
   if only_st:
-    problems.append(f"only in {SAFETENSORS}: {only_st[:4]}{' ...' if len(only_st) > 4 else ''}")
+    problems.append(f"only in {st_name}: {only_st[:4]}{' ...' if len(only_st) > 4 else ''}")
   for k in sorted(set(from_bin) & set(from_st)):
     a, b = np.asarray(from_bin[k]), np.asarray(from_st[k])
     if a.shape != b.shape:
-      problems.append(f"{k}: shape {a.shape} in {BIN}, {b.shape} in {SAFETENSORS}")
+      problems.append(f"{k}: shape {a.shape} in {bin_name}, {b.shape} in {st_name}")
     else:
       narrow = min(a.dtype, b.dtype, key=lambda t: t.itemsize)
       if not np.array_equal(a.astype(narrow), b.astype(narrow)):
@@ -198,7 +213,7 @@ def _check_same_tensors(src_dir, from_bin: Mapping, from_st: Mapping) -> None:
     if len(problems) >= 4:
       break
   if problems:
-    raise ValueError(f"{src_dir} holds both {BIN} and {SAFETENSORS} and they differ "
+    raise ValueError(f"{src_dir} holds both {bin_name} and {st_name} and they differ "
                      f"({'; '.join(problems)}); one is stale (an earlier export?): remove it")
 
 
@@ -270,7 +285,7 @@ def read_reference_dir(src_dir, method: str, target, tree=None, **options):
   if os.path.isdir(src_dir):
     verify_dir(src_dir)
   config = read_json(config_path, f"{src_dir} is not a draft directory (no config.json)")
-  state, path = read_state_dict(src_dir)
+  state, path = read_state_dict(src_dir, layout.weight_files)
   state = layout.normalize_keys(state)
   found = registry.guess_method(state)
   if found is not None and found != method:
