@@ -30,7 +30,9 @@ needs_kernel = pytest.mark.skipif(
 
 @needs_kernel
 @pytest.mark.parametrize("rows,width,outputs", [(1, 576, 576), (2, 64, 9), (3, 576, 1536),
-                                                (4, 13, 33), (12, 576, 4097), (26, 1536, 40)])
+                                                (4, 13, 33), (5, 24, 17), (7, 40, 12),
+                                                (8, 576, 100), (10, 8, 5), (12, 576, 4097),
+                                                (26, 1536, 40)])
 def test_kernel_is_exact_and_row_independent(rows, width, outputs):
   rng = np.random.RandomState(rows)
   x = rng.standard_normal((rows, width)).astype(np.float32)
