@@ -6,6 +6,10 @@
       --data=data/smollm2_selfdistill --out=runs/smollm2_eagle2
 
 Any config value can be overridden, e.g. `--config.batch_size=8 --config.online=True`.
+`--method=NAME` trains another method from the same config: the settings the config left
+at its method's defaults (optimiser recipe, loss weights, draft block) take NAME's
+(`jakiro_jax.train.method_settings.with_method`); `--config.method` alone is refused when
+the config holds another method's settings.
 Device mesh: `--config.mesh_data=-1 --config.mesh_fsdp=4 --config.mesh_tensor=1`.
 A run writes orbax checkpoints every `save_every` steps; rerun the same command with
 --resume after an interruption to continue it exactly. The final draft lands in
@@ -18,6 +22,7 @@ import logging as std_logging
 
 from absl import app, flags, logging
 
+from jakiro_jax.drafts import registry
 from launch import cli
 
 _CONFIG = cli.define_config_file("config", None, "Training config file.", lock_config=True)
@@ -27,6 +32,9 @@ _RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --out from its
                             "checkpoint (starts fresh if it has none).")
 _MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Override config.num_steps.",
                                   lower_bound=1)
+_METHOD = flags.DEFINE_enum("method", None, list(registry.names()),
+                            "Train this method instead of config.method, from its own "
+                            "training defaults where the config keeps its method's.")
 flags.mark_flags_as_required(["config", "data", "out"])
 
 
@@ -38,12 +46,15 @@ def main(argv):
     # ... but the trainer's own lines (run, steps, validation) are what this command shows
     std_logging.getLogger("jakiro_jax").setLevel(std_logging.INFO)
   from jakiro_jax.sharding import initialize_distributed
-  from jakiro_jax.train.trainer import train
+  from jakiro_jax.train.trainer import train, with_method
 
   initialize_distributed()  # several hosts (launch/tpu_pod.py): before any other JAX call
 
   # A TrainInputError (ValueError) says what to change: one line, exit 2 (cli.run).
-  result = train(_CONFIG.value, _DATA.value, _OUT.value, resume=_RESUME.value,
+  config = _CONFIG.value
+  if _METHOD.value:
+    config = with_method(config, _METHOD.value)
+  result = train(config, _DATA.value, _OUT.value, resume=_RESUME.value,
                  max_steps=_MAX_STEPS.value)
   import jax
   if jax.process_index() == 0:  # the one that wrote the draft (several hosts)

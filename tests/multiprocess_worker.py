@@ -50,11 +50,11 @@ def get_config():
 
   from jakiro_jax.train.trainer import default_config
 
-  c = default_config()
-  c.method = "eagle2"
+  c = default_config("eagle2")
   c.target = ""  # --config.target=WORKDIR/target
   c.drafts.eagle2 = dict(tree=dict(TREE))
-  c.update(batch_size=8, max_len=64, num_steps=TRAIN_STEPS, warmup_steps=2, log_every=1,
+  c.update(batch_size=8, max_len=64, num_steps=TRAIN_STEPS, lr=3e-4, weight_decay=0.0,
+           warmup_steps=2, log_every=1,
            save_every=SAVE_EVERY, keep_checkpoints=10, eval_rows=8, val_fraction=0.2,
            progress=False, tensorboard=False, mesh_data=-1, mesh_fsdp=1, mesh_tensor=1)
   return c

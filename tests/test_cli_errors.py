@@ -207,3 +207,14 @@ def test_a_command_starts_jax_without_a_word_on_a_machine_without_accelerators()
                         capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
   assert proc.returncode == 0 and json.loads(proc.stdout), proc.stderr[-2000:]
   assert proc.stderr == ""
+
+
+def test_train_takes_a_method_flag_and_refuses_another_methods_config(tmp_path):
+  jakiro = ["--config=configs/smollm2_135m_jakiro.py", f"--data={tmp_path / 'no_data'}",
+            f"--out={tmp_path / 'out'}"]
+  switched, renamed = run_cases("train", [[*jakiro, "--method=eagle2"],
+                                          [*jakiro, "--config.method=eagle2"]])["results"]
+  # --method passes the method checks; the missing data set is the next thing refused
+  assert_one_line(switched, "does not exist; make one with `python -m launch.gen_data`")
+  assert_one_line(renamed, "config.loss.contrast_weight is a setting of jakiro, not of "
+                  "eagle2", "launch.train --method=eagle2")

@@ -133,3 +133,64 @@ def tiny_config():
   from jakiro_jax.models.config import LlamaConfig
   return LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=18)
+
+
+def _experiment(method):
+  import importlib
+  return importlib.import_module(f"configs.smollm2_135m_{method}").get_config()
+
+
+def test_training_defaults_come_from_the_method():
+  from jakiro_jax.train.method_settings import OPTIMISER_DEFAULTS
+  for name in ("eagle2", "eagle3", "jakiro", "jakiro_star", "gumiho"):
+    config, cls = default_config(name), registry.get(name)
+    assert config.recipe == name and list(config.drafts.keys()) == [name]
+    assert config.drafts[name].to_dict() == registry.default_block(name, "papers")
+    assert config.loss.to_dict() == config_fields(cls.loss_settings)
+    for key, value in dict(OPTIMISER_DEFAULTS, **cls.training_recipe()).items():
+      assert config[key] == value, (name, key)
+  assert default_config("eagle2").weight_decay == 0.01
+  assert default_config("gumiho").clip_mode == "global_norm"
+
+
+@pytest.mark.parametrize("source, method, match", [
+    ("jakiro", "eagle2", "config.loss.contrast_weight is a setting of jakiro, not of eagle2"),
+    ("eagle2", "jakiro_star", "config.drafts.eagle2 is the draft block of eagle2, but this "
+                              "config trains jakiro_star"),
+    ("papers:eagle2", "jakiro_star", r"config.lr=3e-05 is eagle2's training default .*"
+                                     r"jakiro_star's is 9e-05"),
+])
+def test_a_config_naming_another_methods_settings_is_refused(source, method, match, tmp_path):
+  from jakiro_jax.train.trainer import train
+  config = (real_targets.real_target_config("/m", source.split(":")[1])
+            if source.startswith("papers:") else _experiment(source))
+  config.method = method  # as --config.method=METHOD would
+  with pytest.raises(TrainInputError, match=match + ".*--method=" + method):
+    train(config, tmp_path / "no_data", tmp_path / "out")  # refused before anything loads
+
+
+def test_with_method_takes_the_new_methods_defaults_and_keeps_the_experiments():
+  from jakiro_jax.train.method_settings import check_method_settings
+  from jakiro_jax.train.trainer import with_method
+  jakiro = _experiment("jakiro")
+  jakiro.lock()  # as --config gives it
+  eagle2 = with_method(jakiro, "eagle2")
+  check_method_settings(eagle2)
+  assert (eagle2.method, eagle2.recipe) == ("eagle2", "eagle2")
+  assert eagle2.weight_decay == 0.01  # jakiro's 1e-3 was its default: eagle2's now
+  assert eagle2.lr == jakiro.lr == 3e-4 and eagle2.vocab_subset == 8192  # the experiment's
+  assert eagle2.loss.to_dict() == config_fields(LossSettings)
+  assert list(eagle2.drafts.keys()) == ["eagle2"]
+  assert jakiro.method == "jakiro" and "contrast_weight" in jakiro.loss  # a copy
+  eagle3 = _experiment("eagle3")  # its tree and ttt_steps are not eagle3's defaults
+  moved = with_method(eagle3, "jakiro")
+  assert moved.loss.ttt_steps == 5 and moved.drafts.jakiro.tree.top_k == 4
+  assert moved.clip_mode == "value" and moved.weight_decay == 1e-3
+  jakiro = _experiment("jakiro")
+  jakiro.loss.contrast_weight = 0.3  # changed: the experiment's, and eagle2 has none
+  with pytest.raises(ValueError, match="config.loss.contrast_weight=0.3 is a setting of "
+                                       "jakiro, which eagle2 does not train with"):
+    with_method(jakiro, "eagle2")
+  with pytest.raises(ValueError, match="config.drafts.eagle3.tree=.* jakiro_star derives "
+                                       "its tree"):
+    with_method(eagle3, "jakiro_star")

@@ -133,10 +133,10 @@ def train_worker(workdir: str) -> dict:
   _feature_set(data_dir, load_target(target_dir, with_tokenizer=False))
 
   def config_for(method, mesh):
-    c = default_config()
-    c.method, c.target = method, target_dir
+    c = default_config(method)
+    c.target = target_dir
     c.drafts[method] = dict(tree=dict(TREE), **DRAFT_OPTIONS[method])
-    c.update(batch_size=8, max_len=64, num_steps=5, warmup_steps=2, log_every=1,
+    c.update(batch_size=8, max_len=64, num_steps=5, lr=3e-4, warmup_steps=2, log_every=1,
              save_every=5, eval_rows=0, progress=False, tensorboard=False,
              mesh_data=mesh[0], mesh_fsdp=mesh[1], mesh_tensor=mesh[2])
     return c

@@ -161,22 +161,24 @@ def default_blocks(tree_set: str = "small", **common) -> dict[str, dict]:
   these defaults; a config overrides what it needs."""
   if tree_set not in ("small", "papers"):
     raise ValueError(f"tree_set must be small or papers, got {tree_set!r}")
-  blocks = {}
-  for name in names():
-    cls = get(name)
-    tree, options = cls.small_tree() if tree_set == "small" else cls.papers_tree()
-    fields = {f.name: f.default for f in dataclasses.fields(cls)}
-    block = {k: json_value(fields[k]) for k in cls.inference_options
-             if fields.get(k, dataclasses.MISSING) not in (None, dataclasses.MISSING)}
-    block.update({k: json_value(v) for k, v in options.items()})
-    block.update({k: v for k, v in common.items()
-                  if k in fields and k not in getattr(cls, "fixed_options", ())})
-    if getattr(cls, "reads_fused", False):  # the target features it reads (training)
-      block["features"] = fields["features"]
-    if tree is not None:
-      block["tree"] = dataclasses.asdict(tree)
-    blocks[name] = block
-  return blocks
+  return {name: default_block(name, tree_set, **common) for name in names()}
+
+
+def default_block(method: str, tree_set: str = "small", **common) -> dict:
+  """One method's block of `default_blocks`."""
+  cls = get(method)
+  tree, options = cls.small_tree() if tree_set == "small" else cls.papers_tree()
+  fields = {f.name: f.default for f in dataclasses.fields(cls)}
+  block = {k: json_value(fields[k]) for k in cls.inference_options
+           if fields.get(k, dataclasses.MISSING) not in (None, dataclasses.MISSING)}
+  block.update({k: json_value(v) for k, v in options.items()})
+  block.update({k: v for k, v in common.items()
+                if k in fields and k not in getattr(cls, "fixed_options", ())})
+  if getattr(cls, "reads_fused", False):  # the target features it reads (training)
+    block["features"] = fields["features"]
+  if tree is not None:
+    block["tree"] = dataclasses.asdict(tree)
+  return block
 
 
 def json_value(value):

@@ -64,6 +64,7 @@ from jakiro_jax.train.collate import (bucket_length, pad_rows, shift_for_trainin
                                      uniform_noise)
 from jakiro_jax.train.data_order import DataOrder, split_rows
 from jakiro_jax.drafts.losses import LossSettings, config_fields
+from jakiro_jax.train import method_settings
 from jakiro_jax.train.vocab_subset import (DRAFT_VOCAB_FILE, frequent_tokens, head_matrix,
                                            save_subset)
 from jakiro_jax.drafts.io import save_draft
@@ -84,6 +85,7 @@ class TrainInputError(ValueError):
 # Config keys that may change when resuming (cadence of side effects, not the maths).
 RESUMABLE_CHANGES = ("log_every", "eval_every", "eval_rows", "save_every",
                      "keep_checkpoints", "progress", "tensorboard", "draft_vocab",
+                     "recipe",  # whose defaults the values came from; the values count
                      # the same maths on other devices: checkpoints restore onto any mesh
                      "mesh_data", "mesh_fsdp", "mesh_tensor")
 
@@ -94,11 +96,12 @@ ADDED_SETTINGS = {"draft_vocab_size": 0}
 
 def default_config(method: str | None = None) -> ml_collections.ConfigDict:
   """Every training setting with its default, for `method` (None: the registry's
-  default): its loss weights come from the method (`loss_settings`), and the method's
-  own recipe (`training_recipe`) is not applied; experiment files override a few."""
-  # The shared keys (`jakiro_jax.config`): target, dtype, system_prompt, method, mesh and
-  # the draft blocks; here none, so each method trains with its own default tree (the
-  # tree sets the validation chain's depth). An experiment file sets its method's block.
+  default). The method owns its optimiser settings (`training_recipe`), loss weights
+  (`loss_settings`) and draft block (`train.method_settings`); experiment files override
+  a few, and `method_settings.with_method` moves a config to another method."""
+  # The shared keys (`jakiro_jax/config.py`): target, dtype, system_prompt, method, mesh and
+  # the draft blocks; here only the method's own (its tree sets the validation chain's
+  # depth). An experiment file changes what it needs of that block.
   c = base_config(method, trees=None)
   # Data.
   c.max_len = 1024  # rows are cut here (the original: 2048)
@@ -114,19 +117,12 @@ def default_config(method: str | None = None) -> ml_collections.ConfigDict:
   # split, fixed before init (EAGLE-3's lm_head rows; others draft from it); 0 or >= the
   # target's vocabulary: the whole vocabulary.
   c.draft_vocab_size = 0
-  # Optimisation: AdamW, linear warm-up then cosine decay, clipping.
-  c.lr = 3e-4
-  c.warmup_steps = 100
-  c.num_steps = 0  # 0: num_epochs * steps_per_epoch
-  c.num_epochs = 1.0
-  c.end_lr_fraction = 0.0
-  c.b1 = 0.9
-  c.b2 = 0.95
-  c.weight_decay = 0.0
-  c.clip_mode = "value"  # value (EAGLE/Jakiro clip_grad_value_) | global_norm (Gumiho)
-  c.clip = 0.5
-  # The method's loss weights (`drafter.loss_settings`: the shared ones and its own).
-  c.loss = ml_collections.ConfigDict(config_fields(registry.get(c.method).loss_settings))
+  # Optimisation: AdamW, linear warm-up then cosine decay, clipping (clip_mode value: EAGLE /
+  # Jakiro clip_grad_value_, global_norm: Gumiho). num_steps 0: num_epochs * steps_per_epoch.
+  c.num_steps = 0
+  # The method's own: optimiser settings (`OPTIMISER_DEFAULTS` under its recipe), loss
+  # weights, draft block, and `recipe` recording whose these are.
+  method_settings.apply_method_defaults(c, c.method)
   # Bookkeeping.
   c.seed = 0
   c.log_every = 10
@@ -137,6 +133,9 @@ def default_config(method: str | None = None) -> ml_collections.ConfigDict:
   c.progress = True  # tqdm bar on stderr
   c.tensorboard = True  # event files in OUT/tb (tensorboardX); metrics.jsonl always
   return c
+
+
+with_method = method_settings.with_method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +318,7 @@ def _check_config(config) -> None:
                           f"{sorted(registry.names())}")
   try:
     check_config(config)
+    method_settings.check_method_settings(config)
   except ValueError as e:
     raise TrainInputError(str(e)) from None
   for name in ("batch_size", "max_len", "log_every", "save_every"):
@@ -341,8 +341,11 @@ def loss_settings(config, drafter) -> LossSettings:
   known = config_fields(drafter.loss_settings)
   unknown = sorted(set(config.loss.to_dict()) - set(known))
   if unknown:
+    owners = sorted({m for k in unknown for m in method_settings.loss_owners(k)})
     raise TrainInputError(f"config.loss has {', '.join(unknown)}, which {config.method} "
-                          f"does not train with; its loss takes {', '.join(known)}")
+                          f"does not train with"
+                          + (f" (a setting of {', '.join(owners)})" if owners else "")
+                          + f"; its loss takes {', '.join(known)}")
   try:
     settings = drafter.loss_settings(**config.loss.to_dict())
   except (TypeError, ValueError) as e:
