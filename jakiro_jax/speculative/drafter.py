@@ -102,7 +102,10 @@ class GenerationDrafter(Protocol):
                                              (`models.llama.Llama`); () = the final
                                              norm's output (optional member)
     init_params(rng) / init_boxed(rng)       params (boxed: logical axes for sharding)
-    new_cache(batch, max_len)                the draft's own cache (lengths [B], replace())
+    new_cache(batch, max_len)                the draft's own cache, a pytree the loop reads
+                                             `lengths [B]` and `max_len` of and updates
+                                             with `replace(lengths=...)` (a head without
+                                             a cache still returns one)
     extra_cache_slots()                      slots a round uses past the committed context
     forward(params, head, tokens [B,T], features [B,T,F], positions [B,T], cache,
             mask [B,T,S]) -> (output, cache)  one output pytree type per method
@@ -110,7 +113,11 @@ class GenerationDrafter(Protocol):
     draft(RoundInputs) -> (Tree, draft cache)
     verification_plan(tree) -> (visible [B,N,N], plan)
     accept(tree, plan, logits [B,N,V], sampling, rng) -> Acceptance
-    draft_forwards_per_round()
+    draft_forwards_per_round()               the round timings' count of draft forwards
+    candidate_widths() -> {option: width}    optional: `registry.make_drafter` checks each
+                                             `lax.top_k` width against the vocabulary
+  `draft` may call `RoundInputs.run_forward` once per tree step (EAGLE-style heads) or
+  never (heads that predict every level from the root's output).
   """
   name: ClassVar[str]
   target_config: LlamaConfig

@@ -20,16 +20,28 @@ import jax
 
 
 class TrainingDrafter(Protocol):
-  """The training role: what `trainer.py` and `metrics.py` call.
+  """The training role: what `trainer.py`, `metrics.py` and `method_settings.py` call.
 
+    name, target_config, tree, draft_vocab   as in generation (tree: the chain's depth)
+    init_params(rng) / init_boxed(rng)       fresh params (boxed: for the train state's
+                                             shardings)
     loss_settings              the method's `LossSettings` class (its weights, defaults)
-    objective(params, head, batch, epoch, settings) -> (loss, terms)
+    training_recipe()          classmethod: its optimiser defaults (`method_settings.
+                               OPTIMISER_DEFAULTS` keys); {} = the shared ones
+    training_feature_layers    optional: the target streams training reads (default:
+                               its `feature_layers`)
+    objective(params, head, batch, epoch, settings) -> (loss, terms); every term is
+                               logged (`DraftHead`: `step_loss` of each forward output)
     loss_phase(settings, epoch) -> the settings of a step's compiled phase (static)
-    chain_steps()              unrolled steps that match drafting (validation, TTT)
-    validation_chain(params, head, input_ids [B,T], features [B,T,D]) -> tokens [K,B,T]
+    chain_steps()              unrolled steps that match drafting (bounds ttt_steps)
+    validation_chain(params, head, input_ids [B,T], features [B,T,F]) -> tokens [K,B,T]
+                               (level k of start t: the token x_{t+k+1} it drafts)
   """
   loss_settings: ClassVar[type]
+  name: ClassVar[str]
 
+  @classmethod
+  def training_recipe(cls) -> dict: ...
   def init_params(self, rng: jax.Array) -> Any: ...
   def init_boxed(self, rng: jax.Array) -> Any: ...
   def objective(self, params, head, batch, epoch, settings) -> tuple[Any, dict]: ...
