@@ -255,12 +255,13 @@ def draft_weights_digest(directory: str | None) -> dict | None:
 def cache_path(target, method: str, draft_id: str, sampling: SamplingConfig,
                cache_dir: str | os.PathLike | None = None) -> str:
   """Where the tuning result of this (device, target, method, draft, dtype, sampling) lives;
-  a retrained draft (other weights) or the CPU's small-row matmul on or off (other round
-  costs) is another entry."""
+  a retrained draft (other weights) or the CPU's small-row matmul on, off or rebuilt from
+  other source (other round costs) is another entry."""
   kind, platform = device_description()
   config_text = json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str)
   weights = draft_weights_digest(draft_directory(target.name, method, draft_id))
-  matmul = ["small_rows"] if platform == "cpu" and small_rows.available() else []
+  matmul = (["small_rows", small_rows.build_digest()]
+            if platform == "cpu" and small_rows.available() else [])
   key = json.dumps([GRID_VERSION, kind, platform, target.name, config_text, method,
                     draft_id, weights, str(target.config.dtype),
                     dataclasses.astuple(sampling)] + matmul, default=str, sort_keys=True)
@@ -404,7 +405,8 @@ def tune_tree(target, method: str, draft: str | None = None, *,
               grid: Sequence[TreeChoice] | None = None, margin: float = 1.03,
               use_cache: bool = True, cache_dir: str | os.PathLike | None = None,
               progress: bool = True, seed: int = 0, loaded: Any,
-              prune: bool = True, use_prior: bool = True) -> TuningResult:
+              prune: bool = True, use_prior: bool = True, refresh: bool = False
+              ) -> TuningResult:
   """Times the AR step and the candidate trees on this device, takes their tau from the
   draft's tuning prior or calibrates it, and returns the fastest choice (None = AR).
 
@@ -413,13 +415,14 @@ def tune_tree(target, method: str, draft: str | None = None, *,
   (default: the chat-templated `CALIBRATION_PROMPTS`). The chosen candidate must beat the
   AR step's tokens/s by `margin` (timings vary by a few percent). prune: drop a candidate
   whose bound (its forward with the prior's tau, or its best case) cannot beat the best so
-  far. use_prior: False calibrates every tau here.
+  far. use_prior: False calibrates every tau here. use_cache: read a cached result (unless
+  `refresh`) and write the new one; refresh: measure again and replace the cached one.
   """
   from tqdm import tqdm
 
   draft_id = draft or "shipped"
   path = cache_path(target, method, draft_id, sampling, cache_dir)
-  if use_cache and os.path.exists(path):
+  if use_cache and not refresh and os.path.exists(path):
     try:
       with open(path) as f:
         return TuningResult.from_json(json.load(f), cached=True)

@@ -47,7 +47,8 @@ _TREE = flags.DEFINE_string(
     "tree", "auto", "auto (tuned on this device, cached; may choose AR), config (the "
     "config's tree) or TOP_K,DEPTH,TOTAL_TOKENS.")
 _RETUNE = flags.DEFINE_bool("retune", False, "--tree=auto: measure again, ignoring the cache "
-                            "and the draft's tuning prior (tau calibrated on this device).")
+                            "and the draft's tuning prior (tau calibrated on this device), "
+                            "and cache the new result.")
 _WRITE_PRIOR = flags.DEFINE_bool(
     "write_tuning_prior", False, "Instead of generating: calibrate tau of every candidate "
     "tree of the method's draft (T = 0) and write tuning_prior.json beside its draft.json, "
@@ -183,7 +184,7 @@ def main(argv):
     if tree_flag == "auto":
       from jakiro_jax.tree_tuning import apply_choice, tune_tree
       tuning = tune_tree(target, method, _DRAFT.value, sampling=sampling,
-                         use_cache=not _RETUNE.value, use_prior=not _RETUNE.value,
+                         refresh=_RETUNE.value, use_prior=not _RETUNE.value,
                          loaded=(drafter, params))
       if not tuning.cached:
         print(tuning.table(), file=sys.stderr)

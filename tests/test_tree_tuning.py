@@ -102,6 +102,22 @@ def test_calibration_measures_acceptance_and_caches(peaky_target, tmp_path, monk
   from jakiro_jax.speculative.sampling import SamplingConfig
   assert (tree_tuning.cache_path(target, "oracle", "oracle", SamplingConfig(1.0), tmp_path)
           != tree_tuning.cache_path(target, "oracle", "oracle", SamplingConfig(), tmp_path))
+  # So is the CPU's small-row matmul rebuilt from other source (other round costs).
+  monkeypatch.setattr(tree_tuning.small_rows, "available", lambda: True)
+  paths = set()
+  for digest in ("a", "b"):
+    monkeypatch.setattr(tree_tuning.small_rows, "build_digest", lambda d=digest: d)
+    paths.add(tree_tuning.cache_path(target, "oracle", "oracle", SamplingConfig(), tmp_path))
+  assert len(paths) == 2
+  monkeypatch.undo()
+  # refresh (launch.generate --retune) measures again and replaces the cached result.
+  monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a, **k: 1e3)  # AR: 1 token/s
+  kwargs = dict(prompts=prompts, max_new_tokens=20, grid=grid, margin=0.0,
+                cache_dir=tmp_path, progress=False, loaded=(oracle, target.params))
+  fresh = tune_tree(target, "oracle", "oracle", refresh=True, **kwargs)
+  assert not fresh.cached and fresh.ar_step_ms == 1e3
+  cached = tune_tree(target, "oracle", "oracle", **kwargs)
+  assert cached.cached and cached.ar_step_ms == 1e3
 
 
 def test_a_candidate_that_cannot_win_is_not_calibrated(tiny_pair, tmp_path, monkeypatch):

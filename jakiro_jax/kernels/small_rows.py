@@ -38,13 +38,19 @@ _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 log = logging.getLogger(__name__)
 
 
+@functools.cache
+def build_digest() -> str:
+  """Names the kernel as built here (its source, compiler flags and jax version): what
+  it costs changes with it, so measurements made with it (tree tuning) key on it too."""
+  with open(_SOURCE, "rb") as f:
+    return hashlib.sha256(f.read() + " ".join(_FLAGS).encode() +
+                          jax.__version__.encode()).hexdigest()[:16]
+
+
 def _cache_dir() -> str:
   root = os.environ.get("JAKIRO_JAX_CACHE") or os.path.join(
       os.path.expanduser("~"), ".cache", "jakiro_jax")
-  with open(_SOURCE, "rb") as f:
-    digest = hashlib.sha256(f.read() + " ".join(_FLAGS).encode() +
-                            jax.__version__.encode()).hexdigest()[:16]
-  return os.path.join(root, "kernels", digest)
+  return os.path.join(root, "kernels", build_digest())
 
 
 def _cpu_has_avx2_fma() -> bool:
