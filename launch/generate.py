@@ -203,6 +203,7 @@ def main(argv):
   show = (lambda ids: target.decode(ids)) if target.tokenizer is not None else str
   ar_tokens = ar_seconds = spec_tokens = spec_seconds = 0.0
   accepts = []
+  mismatches = 0  # greedy: prompts whose speculative tokens differ from the AR loop's
   for i, (text, prompt) in enumerate(zip(texts, prompts)):
     seed = _SEED.value + i
     generate_ar(target, [prompt], _MAX_NEW.value, sampling, seed=seed)  # compile
@@ -214,6 +215,7 @@ def main(argv):
       out = generate(target, drafter, params, [prompt], _MAX_NEW.value, sampling, seed=seed)
       spec_tokens, spec_seconds = spec_tokens + out.num_tokens, spec_seconds + out.seconds
       accepts += out.accept_lens[0]
+      mismatches += sampling.greedy and out.tokens != ar.tokens
     print(f"\n>>> {text}\n{show(out.tokens[0])}")
     line = f"[{out.num_tokens} tokens in {out.seconds:.2f} s: {out.tokens_per_s:.1f} tokens/s"
     if drafter is not None:
@@ -228,9 +230,10 @@ def main(argv):
     return
   rate = spec_tokens / spec_seconds
   tau = 1.0 + sum(accepts) / max(len(accepts), 1)
+  greedy = (f" greedy_mismatches={mismatches}/{len(prompts)}" if sampling.greedy else "")
   print(f"\nmethod={method} target={target.name} device={device.platform} "
         f"tokens/s={rate:.1f} tau={tau:.2f} ar_tokens/s={ar_rate:.1f} "
-        f"speedup={rate / ar_rate:.2f}x")
+        f"speedup={rate / ar_rate:.2f}x{greedy}")
 
 
 if __name__ == "__main__":

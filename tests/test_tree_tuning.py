@@ -199,6 +199,7 @@ def test_main_job_follows_the_tuned_choice(tmp_path, chosen):
     assert "decoding with AR" in proc.stderr
   else:
     assert last.startswith("method=eagle2 ") and " tau=" in last
+    assert last.endswith(" greedy_mismatches=0/1")  # compared with the AR loop's tokens
     assert "tree top_k 1 depth 2 total_tokens 4" in proc.stderr
   assert "(cached; --retune measures again)" in proc.stderr
 
