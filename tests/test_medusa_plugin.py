@@ -1,6 +1,6 @@
 """A method nobody here foresaw (Medusa-1 heads, tests/medusa_plugin.py) through the
 public interfaces only: registered at run time, trained by the trainer on the tiny
-target, greedy-lossless in the speculative loop, exported by launch.export."""
+target, greedy-lossless in the speculative loop, exported as launch.export writes it."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from test_train import feature_set, tiny_target  # noqa: F401  (fixtures)
 from conftest import random_prompts
 from jakiro_jax.drafts import registry
 from jakiro_jax.drafts.io import load_draft
+from jakiro_jax.export import write_reference_dir
+from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.speculative.autoregressive import generate_ar
 from jakiro_jax.speculative.generate import generate
 from jakiro_jax.train.trainer import default_config, train
-from launch.export import export_draft
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,11 @@ def test_the_trained_plugin_is_greedy_lossless(trained, tiny_target):
 
 def test_the_plugin_exports_its_own_layout(trained, tiny_target, tmp_path):
   out, result, _ = trained
-  target_dir, target = tiny_target
-  paths = export_draft(str(out / "draft"), target_dir, "medusa", str(tmp_path / "medusa"))
+  _, target = tiny_target
+  # What launch.export does, minus its flags (two launchers' flags cannot share a process).
+  drafter, params = load_draft(out / "draft", target)
+  paths = write_reference_dir(str(tmp_path / "medusa"), drafter, params,
+                              target=TargetHead.of(target.config, target.params))
   assert sorted(os.path.basename(p) for p in paths) == ["config.json",
                                                          "medusa_lm_head.safetensors"]
   config = json.loads((tmp_path / "medusa" / "config.json").read_text())
