@@ -48,12 +48,7 @@ _METHOD = flags.DEFINE_enum("method", "ar", ["ar", *registry.names()],
 _DRAFT = flags.DEFINE_string(
     "draft", None, "Draft directory, shipped draft name, or 'random' (untrained, still "
     "lossless). Default: the draft shipped for the config's target.")
-_TOP_K_TREE = flags.DEFINE_integer("top_k", None, "Tree: children per node (config).",
-                                   lower_bound=1)
-_DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the context (config).",
-                              lower_bound=1)
-_TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round (config).",
-                              lower_bound=2)
+_TREE = cli.define_tree_flags("default: the config's")
 _REFERENCE_PARITY = flags.DEFINE_bool(
     "reference_parity", False, "Methods with a reference_parity option: behave as the "
     "original code (for some, at T > 0, a rule that is NOT lossless; see the method's "
@@ -153,7 +148,7 @@ def main(argv):
   try:
     tree, options = (None, {}) if _METHOD.value == "ar" else tree_and_options(
         _CONFIG.value, _METHOD.value, reference_parity=_REFERENCE_PARITY.value,
-        top_k=_TOP_K_TREE.value, depth=_DEPTH.value, total_tokens=_TOTAL.value)
+        **cli.given_values(_TREE))
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   cli.print_device()

@@ -122,6 +122,24 @@ def define_config_file(name: str, default: str | None, help_string: str,
   return holder
 
 
+def define_tree_flags(source: str) -> dict[str, flags.FlagHolder]:
+  """--top_k, --depth and --total_tokens (None: `source`'s tree) as {tree field: holder}."""
+  return {
+      "top_k": flags.DEFINE_integer("top_k", None, f"Tree: children per node ({source}).",
+                                    lower_bound=1),
+      "depth": flags.DEFINE_integer("depth", None,
+                                    f"Tree: draft steps after the context ({source}).",
+                                    lower_bound=1),
+      "total_tokens": flags.DEFINE_integer(
+          "total_tokens", None, f"Tree: verified nodes per round ({source}).", lower_bound=2),
+  }
+
+
+def given_values(holders: dict[str, flags.FlagHolder]) -> dict:
+  """{name: value} of the flags in `holders` given on the command line (not None)."""
+  return {name: holder.value for name, holder in holders.items() if holder.value is not None}
+
+
 def _config_value(argv: list[str], name: str) -> str | None:
   """The value of the last `--NAME=VALUE` or `--NAME VALUE` in argv, None if absent."""
   value = None

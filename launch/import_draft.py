@@ -43,12 +43,7 @@ _FORMAT = flags.DEFINE_enum("format", None, list(registry.names()),
 _TARGET = flags.DEFINE_string("target", "smollm2",
                               "Target: 'smollm2', a HuggingFace directory or a .gguf file.")
 _OUT = flags.DEFINE_string("out", None, "Output draft directory (our layout).")
-_TOP_K = flags.DEFINE_integer("top_k", None, "Tree stored with the draft: children per node.",
-                              lower_bound=1)
-_DEPTH = flags.DEFINE_integer("depth", None, "Tree: draft steps after the context.",
-                              lower_bound=1)
-_TOTAL = flags.DEFINE_integer("total_tokens", None, "Tree: verified nodes per round.",
-                              lower_bound=2)
+_TREE = cli.define_tree_flags("stored with the draft; default: the method's")
 _OVERWRITE = flags.DEFINE_bool(
     "overwrite", False, "Replace a non-empty --out (removed once the new draft is complete).")
 _FORCE = flags.DEFINE_bool(
@@ -86,8 +81,7 @@ def main(argv):
 
   from jakiro_jax.speculative.tree import TreeConfig
 
-  overrides = {k: f.value for k, f in (("top_k", _TOP_K), ("depth", _DEPTH),
-                                         ("total_tokens", _TOTAL)) if f.value is not None}
+  overrides = cli.given_values(_TREE)
   tree = None
   if overrides:
     base = dataclasses.asdict(registry.get(_FORMAT.value).tree_for(None, {}))
