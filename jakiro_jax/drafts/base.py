@@ -27,7 +27,7 @@ from jakiro_jax.models.kv_cache import KVCache, causal_mask
 from jakiro_jax.drafts.losses import LossSettings, shift_positions
 from jakiro_jax.models.llama import matmul_out_in, weight_param
 from jakiro_jax.sharding import whole_features
-from jakiro_jax.speculative.drafter import TargetHead
+from jakiro_jax.speculative.drafter import TargetHead, project_rows
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import Acceptance, accept
@@ -259,7 +259,7 @@ class DraftHead:
     rows = head.draft_rows
     if rows is None or rows.shape[0] != len(self.draft_vocab):  # built without the subset
       rows = head.lm_head[jnp.asarray(self.draft_vocab, jnp.int32)]
-    return jnp.einsum("...D,KD->...K", hidden, rows).astype(jnp.float32)
+    return project_rows(hidden, rows)
 
   @property
   def ranked_ids(self) -> tuple[int, ...]:

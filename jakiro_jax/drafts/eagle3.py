@@ -38,7 +38,7 @@ from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import (MLP, Attention, RMSNorm, check_feature_layers,
                                      matmul_out_in, weight_param)
 from jakiro_jax.sharding import whole_features
-from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
+from jakiro_jax.speculative.drafter import RoundInputs, TargetHead, project_rows
 from jakiro_jax.speculative.tree import TreeConfig
 
 
@@ -105,8 +105,7 @@ class Eagle3Draft(nn.Module):
   def logits(self, state):
     """The draft's state `[..., D]` -> fp32 logits over the draft vocabulary `[..., K]`."""
     normed = state if self.norm_output else self.norm(state)
-    return jnp.einsum("...D,KD->...K", normed, self.lm_head.astype(normed.dtype)
-                      ).astype(jnp.float32)
+    return project_rows(normed, self.lm_head)
 
   def init_all(self, embeds, features, positions, cache, mask):
     state, _ = self(embeds, features, positions, cache, mask)

@@ -11,6 +11,7 @@ one `TargetHead`, built once per generate or train call from the target's params
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
 import flax.struct
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.models.llama import small_rows_or
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import Acceptance
@@ -54,11 +56,22 @@ class TargetHead:
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """`[..., D]` -> fp32 logits `[..., V]`."""
-    return jnp.einsum("...D,VD->...V", hidden,
-                      self.lm_head.astype(hidden.dtype)).astype(jnp.float32)
+    return project_rows(hidden, self.lm_head)
 
   def frozen(self) -> "TargetHead":
     return jax.lax.stop_gradient(self)
+
+
+def project_rows(hidden: jax.Array, weight: jax.Array) -> jax.Array:
+  """`hidden [..., D] . weight [N, D]^T` -> fp32 `[..., N]`: a draft's logits.
+
+  On a CPU with few rows (a round's frontier) the small-row kernel reads the head once
+  (`models.llama.small_rows_or`): XLA's GEMM repacked an 8192-row draft head on every
+  tree level, most of a SmolLM2 draft's time. Elsewhere the einsum it always was."""
+  weight = weight.astype(hidden.dtype)
+  einsum = lambda x, w: jnp.einsum("...D,ND->...N", x, w)  # noqa: E731
+  return small_rows_or(einsum, hidden, weight, math.prod(hidden.shape[:-1]),
+                       hidden.shape[:-1] + weight.shape[:1]).astype(jnp.float32)
 
 
 class RoundInputs(NamedTuple):
