@@ -59,6 +59,9 @@ from jakiro_jax.speculative.tree import TreeConfig
 
 # Bump when the grid or the measurement changes: old cache entries and priors lapse.
 GRID_VERSION = 2
+# Bump when code under a round's cost changes (cache entries lapse, priors stay): 1 when
+# the draft heads moved to the CPU's small-row matmul.
+COST_VERSION = 1
 PRIOR_FILE = "tuning_prior.json"
 PRIOR_FORMAT = 1
 PRIOR_COMMAND = ("python -m launch.generate --config=CONFIG --method=METHOD "
@@ -262,7 +265,7 @@ def cache_path(target, method: str, draft_id: str, sampling: SamplingConfig,
   weights = draft_weights_digest(draft_directory(target.name, method, draft_id))
   matmul = (["small_rows", small_rows.build_digest()]
             if platform == "cpu" and small_rows.available() else [])
-  key = json.dumps([GRID_VERSION, kind, platform, target.name, config_text, method,
+  key = json.dumps([GRID_VERSION, COST_VERSION, kind, platform, target.name, config_text, method,
                     draft_id, weights, str(target.config.dtype),
                     dataclasses.astuple(sampling)] + matmul, default=str, sort_keys=True)
   digest = hashlib.sha256(key.encode()).hexdigest()[:16]
