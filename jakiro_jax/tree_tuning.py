@@ -265,8 +265,8 @@ def cache_path(target, method: str, draft_id: str, sampling: SamplingConfig,
   weights = draft_weights_digest(draft_directory(target.name, method, draft_id))
   matmul = (["small_rows", small_rows.build_digest()]
             if platform == "cpu" and small_rows.available() else [])
-  key = json.dumps([GRID_VERSION, COST_VERSION, kind, platform, target.name, config_text, method,
-                    draft_id, weights, str(target.config.dtype),
+  key = json.dumps([GRID_VERSION, COST_VERSION, kind, platform, target.name, config_text,
+                    method, draft_id, weights, str(target.config.dtype),
                     dataclasses.astuple(sampling)] + matmul, default=str, sort_keys=True)
   digest = hashlib.sha256(key.encode()).hexdigest()[:16]
   safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{kind}-{method}")

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache, causal_mask
 from jakiro_jax.drafts.losses import LossSettings, shift_positions
-from jakiro_jax.models.llama import matmul_out_in, weight_param
+from jakiro_jax.models.llama import matmul_out_in, project_rows, weight_param
 from jakiro_jax.sharding import whole_features
-from jakiro_jax.speculative.drafter import TargetHead, project_rows
+from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import Acceptance, accept

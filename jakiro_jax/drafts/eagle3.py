@@ -36,9 +36,9 @@ from jakiro_jax.drafts.losses import LossSettings
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import (MLP, Attention, RMSNorm, check_feature_layers,
-                                     matmul_out_in, weight_param)
+                                     matmul_out_in, project_rows, weight_param)
 from jakiro_jax.sharding import whole_features
-from jakiro_jax.speculative.drafter import RoundInputs, TargetHead, project_rows
+from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
 from jakiro_jax.speculative.tree import TreeConfig
 
 

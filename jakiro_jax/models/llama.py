@@ -90,6 +90,18 @@ def small_rows_or(xla_dot, x: jax.Array, w: jax.Array, rows: int, out_shape) -> 
           x.reshape(rows, width), w.reshape(-1, width)).reshape(out_shape))
 
 
+def project_rows(hidden: jax.Array, weight: jax.Array,
+                 precision: jax.lax.Precision | None = None) -> jax.Array:
+  """`hidden [..., D] . weight [N, D]^T` -> fp32 `[..., N]`: an lm_head's or a draft
+  head's logits. On a CPU with few rows the small-row matmul (`small_rows_or`: the head
+  read once; XLA's GEMM repacked an 8192-row draft head at every tree level), elsewhere
+  one einsum at `precision`."""
+  weight = weight.astype(hidden.dtype)
+  einsum = lambda x, w: jnp.einsum("...D,ND->...N", x, w, precision=precision)  # noqa: E731
+  return small_rows_or(einsum, hidden, weight, math.prod(hidden.shape[:-1]),
+                       hidden.shape[:-1] + weight.shape[:1]).astype(jnp.float32)
+
+
 class RMSNorm(nn.Module):
   """`scale * x / rms(x)`. With `deferred=True` it returns `(scale * x, 1 / rms(x))`
   (`[..., D]`, fp32 `[..., 1]`) for a projection that applies the second factor to its
@@ -450,13 +462,7 @@ class Llama(nn.Module):
       head = self.embed_tokens.embedding
     else:
       head = self.lm_head
-    def xla_dot(features, head):
-      return jnp.einsum("...D,VD->...V", features, head,
-                        precision=dot_precision(features, head))
-
-    logits = small_rows_or(xla_dot, features, head, math.prod(features.shape[:-1]),
-                           features.shape[:-1] + head.shape[:1])
-    return logits.astype(jnp.float32)
+    return project_rows(features, head, dot_precision(features, head))
 
 
 def init_params(config: LlamaConfig, rng: jax.Array, boxed: bool = False):

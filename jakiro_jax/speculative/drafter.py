@@ -11,7 +11,6 @@ one `TargetHead`, built once per generate or train call from the target's params
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
 import flax.struct
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jakiro_jax.models.config import LlamaConfig
-from jakiro_jax.models.llama import small_rows_or
+from jakiro_jax.models.llama import project_rows
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import Acceptance
@@ -60,18 +59,6 @@ class TargetHead:
 
   def frozen(self) -> "TargetHead":
     return jax.lax.stop_gradient(self)
-
-
-def project_rows(hidden: jax.Array, weight: jax.Array) -> jax.Array:
-  """`hidden [..., D] . weight [N, D]^T` -> fp32 `[..., N]`: a draft's logits.
-
-  On a CPU with few rows (a round's frontier) the small-row kernel reads the head once
-  (`models.llama.small_rows_or`): XLA's GEMM repacked an 8192-row draft head on every
-  tree level, most of a SmolLM2 draft's time. Elsewhere the einsum it always was."""
-  weight = weight.astype(hidden.dtype)
-  einsum = lambda x, w: jnp.einsum("...D,ND->...N", x, w)  # noqa: E731
-  return small_rows_or(einsum, hidden, weight, math.prod(hidden.shape[:-1]),
-                       hidden.shape[:-1] + weight.shape[:1]).astype(jnp.float32)
 
 
 class RoundInputs(NamedTuple):
