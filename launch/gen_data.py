@@ -29,6 +29,11 @@ method's:
 
   python -m launch.gen_data --config=configs/smollm2_135m.py --method=eagle3 \
       --prompts=path/to/prompts.jsonl --out=data/smollm2_selfdistill_eagle3
+
+The features come from the generation loop itself (the prefill's and each decode step's,
+plus one forward of the last tokens): no second pass over the finished conversations
+(--second_forward makes one, for comparison). On an accelerator add --fixed_shapes: one
+compiled loop per run; the log ends with the number of compilations and their seconds.
 """
 
 from __future__ import annotations
@@ -97,6 +102,15 @@ _FEATURE_LAYERS = flags.DEFINE_list(
     "feature_layers", [], "Store these target streams instead, concatenated (i < L: the "
     "stream entering layer i, L: the last layer's output, -1: the final norm's output); "
     "not with --method.")
+_SECOND_FORWARD = flags.DEFINE_boolean(
+    "second_forward", False, "Take the features from a second forward over each finished "
+    "conversation instead of from the generation loop itself (the same features to "
+    "rounding; slower).")
+_FIXED_SHAPES = flags.DEFINE_boolean(
+    "fixed_shapes", False, "Pad every generation call to --batch_size rows and one prompt "
+    "width (--max_len - --max_new_tokens): one compiled loop per run instead of one per "
+    "prompt bucket (on an accelerator a compilation costs a minute; on a CPU the padded "
+    "prefill costs more than it saves).")
 flags.mark_flags_as_required(["prompts", "out"])
 
 
@@ -144,7 +158,8 @@ def main(argv):
         shard_size=_SHARD.value, seed=_SEED.value, shuffle=_SHUFFLE.value,
         system_prompt=config.system_prompt or None, samples_per_prompt=_SAMPLES.value,
         sample_temperatures=temperatures, dedup=_DEDUP.value,
-        self_prompt_kinds=tuple(_KINDS.value))
+        self_prompt_kinds=tuple(_KINDS.value), second_forward=_SECOND_FORWARD.value,
+        fixed_shapes=_FIXED_SHAPES.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   prompts = read_prompts(_PROMPTS.value, _MAX_PROMPTS.value)

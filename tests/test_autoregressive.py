@@ -91,3 +91,37 @@ def test_bad_requests_raise_clear_errors(tiny_pair):
     generate_ar(target, [[5]], 0)
   with pytest.raises(ValueError, match="temperature must be >= 0"):
     SamplingConfig(temperature=-1.0)
+
+
+@pytest.mark.parametrize("feature_layers", [(), (0, 1, -1)])
+def test_features_in_the_loop_equal_a_forward_over_the_sequence(tiny_pair, feature_layers):
+  """The features collected by the loop (prefill, decode steps, one forward of the last
+  tokens) are those of a second pass over prompt + output, rows that stop early too."""
+  from jakiro_jax.train.features import target_features
+  _, target = tiny_pair
+  target = dataclasses.replace(target, stop_ids=())
+  prompts = random_prompts(np.random.RandomState(5), 97, [7, 30, 12])
+  sampling = SamplingConfig(temperature=1.0)  # varied tokens (the tiny model repeats)
+  free = generate_ar(target, prompts, max_new_tokens=10, sampling=sampling, seed=1).tokens
+  stop = next(t for j, t in enumerate(free[0]) if j >= 2 and free[0].index(t) == j)
+  target = dataclasses.replace(target, stop_ids=(stop,))  # row 0 stops early
+  out = generate_ar(target, prompts, max_new_tokens=[10, 10, 2], sampling=sampling, seed=1,
+                    feature_layers=feature_layers)
+  plain = generate_ar(target, prompts, max_new_tokens=[10, 10, 2], sampling=sampling,
+                      seed=1)
+  assert out.tokens == plain.tokens  # collecting features changes no token
+  assert len(out.tokens[0]) == free[0].index(stop) + 1 < 10 and len(out.tokens[2]) <= 2
+  sequences = [list(p) + t for p, t in zip(prompts, out.tokens)]
+  reference = target_features(target, sequences, feature_layers=feature_layers)
+  width = target.config.hidden_size * max(len(feature_layers), 1)
+  for got, want, seq in zip(out.features, reference, sequences):
+    assert got.shape == want.shape == (len(seq), width)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_features_refuse_a_mesh_or_a_custom_prefill(tiny_pair):
+  _, target = tiny_pair
+  with pytest.raises(ValueError, match="feature_layers"):
+    generate_ar(target, [[1, 2, 3]], max_new_tokens=2, feature_layers=(), prefill_fn=len)
+  with pytest.raises(ValueError, match="not residual streams"):
+    generate_ar(target, [[1, 2, 3]], max_new_tokens=2, feature_layers=(99,))

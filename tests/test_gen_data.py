@@ -203,3 +203,36 @@ def test_compile_time_counts_the_compilations_inside_it():
   assert compiles.count == 2 and compiles.seconds > 0
   jax.jit(lambda v: v - 5)(x).block_until_ready()  # after: not counted
   assert compiles.count == 2
+
+
+@pytest.mark.slow  # test_rows_hold_the_conversation_and_its_features compares with a forward
+def test_loop_features_equal_a_second_forward(smollm2, complete_set, tmp_path):
+  """The set made with features from the generation loop (the default) holds the same
+  conversations as one made with a second forward, and features equal to rounding."""
+  got, meta = rows(complete_set)
+  second = tmp_path / "second"
+  make_feature_set(smollm2, PROMPTS, second,
+                   dataclasses.replace(SETTINGS, second_forward=True), progress=False)
+  want, second_meta = rows(second)
+  assert second_meta == meta  # how the features were made is not part of the set
+  assert len(got) == len(want) == len(PROMPTS)
+  for a, b in zip(got, want):
+    assert list(a["input_ids"]) == list(b["input_ids"])
+    np.testing.assert_allclose(a["features"], b["features"], atol=2e-2, rtol=2e-3)
+
+
+def test_fixed_shapes_compile_the_generation_loop_once(smollm2, complete_set, tmp_path):
+  """With fixed shapes, shards of 2 and 1 prompts of any lengths run one compiled loop,
+  and the set holds the same conversations and features."""
+  from jakiro_jax.speculative import autoregressive
+  autoregressive.ar_generate_jit.clear_cache()
+  fixed = tmp_path / "fixed"
+  make_feature_set(smollm2, PROMPTS, fixed, dataclasses.replace(SETTINGS, fixed_shapes=True),
+                   progress=False)
+  assert autoregressive.ar_generate_jit._cache_size() == 1
+  got, _ = rows(complete_set)
+  fixed_rows, _ = rows(fixed)
+  assert len(fixed_rows) == len(got)
+  for a, b in zip(got, fixed_rows):
+    assert list(a["input_ids"]) == list(b["input_ids"])
+    np.testing.assert_allclose(a["features"], b["features"], atol=2e-2, rtol=2e-3)

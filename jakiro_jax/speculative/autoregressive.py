@@ -14,10 +14,11 @@ from typing import Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache, causal_mask
-from jakiro_jax.models.llama import Llama, new_cache
+from jakiro_jax.models.llama import Llama, check_feature_layers, new_cache
 from jakiro_jax.speculative.batching import prepare_batch
 from jakiro_jax.speculative.sampling import SamplingConfig, sample_token
 import jakiro_jax.sharding as sharding
@@ -33,6 +34,9 @@ class ARState:
   num_generated: jax.Array  # [B] int32
   done: jax.Array  # [B] bool
   cache: KVCache
+  # [B, max_new, W] with `feature_layers`: column j holds the features of output token j
+  # (the forward that fed it); columns past a row's num_generated hold nothing useful.
+  features: jax.Array | None = None
 
 
 def is_stop_token(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
@@ -83,40 +87,59 @@ def check_prefill_fn(prefill_fn, mesh=None):
 
 
 AR_STATIC_ARGS = ("config", "max_new_tokens", "sampling", "stop_ids", "pad_id",
-                  "prefill_fn")
+                  "prefill_fn", "feature_layers")
 
 
 def _ar_loop(params, prompt: jax.Array, prompt_lengths: jax.Array,
                     budgets: jax.Array, rng: jax.Array, cache: KVCache, *,
                     config: LlamaConfig, max_new_tokens: int, sampling: SamplingConfig,
                     stop_ids: tuple[int, ...], pad_id: int,
-                    prefill_fn=None):
+                    prefill_fn=None, feature_layers: tuple[int, ...] | None = None):
   """Generates up to `budgets[b] <= max_new_tokens` tokens per row.
 
   prompt `[B, P]` right-padded, prompt_lengths/budgets `[B]` int32. A row stops after a
   stop token (kept in the output) or its budget. `prefill_fn`: see `target_prefill`.
-  Returns the final `ARState`.
+  Returns the final `ARState`; with `feature_layers` (`Llama.feature_layers`: () the final
+  norm's output) `(state, prompt_features [B, P, W])`, and `state.features` holds the
+  output tokens' (what a forward over prompt + output gives, without that second pass).
   """
-  model = Llama(config)
+  model = Llama(config, feature_layers or ())
   batch = prompt.shape[0]
-  logits, _, cache = target_prefill(model, params, prompt, prompt_lengths, cache,
-                                    prefill_fn)
+  logits, prompt_features, cache = target_prefill(model, params, prompt, prompt_lengths,
+                                                  cache, prefill_fn)
   first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+  features = None
+  if feature_layers is not None:
+    features = jnp.zeros((batch, max_new_tokens, prompt_features.shape[-1]),
+                         prompt_features.dtype)
   state = ARState(
       step=jnp.int32(1), last_token=first, tokens=tokens,
       num_generated=jnp.ones((batch,), jnp.int32),
-      done=is_stop_token(first, stop_ids) | (budgets <= 1), cache=cache)
+      done=is_stop_token(first, stop_ids) | (budgets <= 1), cache=cache,
+      features=features)
 
   def cond(s: ARState):
     return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
-  def body(s: ARState):
+  def feed(s: ARState):
+    """One forward of each row's last token: (logits [B, V], features [B, W], cache)."""
     lengths = s.cache.lengths
     mask = causal_mask(lengths, 1, s.cache.max_len)
-    logits, _, cache = model.apply(params, s.last_token[:, None], lengths[:, None],
-                                   s.cache, mask)
-    token = sample_token(jax.random.fold_in(rng, s.step), logits[:, 0], sampling)
+    logits, fed, cache = model.apply(params, s.last_token[:, None], lengths[:, None],
+                                     s.cache, mask)
+    return logits[:, 0], fed[:, 0], cache
+
+  def with_features(s: ARState, fed):
+    # The token fed at step s is output column s - 1 (for a row that stopped, only at
+    # the first step after it stopped: later columns are past its num_generated).
+    if s.features is None:
+      return None
+    return jax.lax.dynamic_update_slice_in_dim(s.features, fed[:, None], s.step - 1, 1)
+
+  def body(s: ARState):
+    logits, fed, cache = feed(s)
+    token = sample_token(jax.random.fold_in(rng, s.step), logits, sampling)
     active = ~s.done
     num_generated = s.num_generated + active
     return ARState(
@@ -125,9 +148,16 @@ def _ar_loop(params, prompt: jax.Array, prompt_lengths: jax.Array,
         tokens=s.tokens.at[:, s.step].set(jnp.where(active, token, pad_id)),
         num_generated=num_generated,
         done=s.done | is_stop_token(token, stop_ids) | (num_generated >= budgets),
-        cache=cache.replace(lengths=lengths + active))
+        cache=cache.replace(lengths=s.cache.lengths + active),
+        features=with_features(s, fed))
 
-  return jax.lax.while_loop(cond, body, state)
+  state = jax.lax.while_loop(cond, body, state)
+  if feature_layers is None:
+    return state
+  # The last sampled tokens were never fed: one more forward gives their features (its
+  # cache writes land in the slot after each row's output, inside the cache).
+  _, fed, _ = feed(state)
+  return state.replace(features=with_features(state, fed)), prompt_features
 
 
 ar_generate_jit = jax.jit(_ar_loop, static_argnames=AR_STATIC_ARGS, donate_argnames=("cache",))
@@ -150,6 +180,9 @@ class GenerationOutput:
   tokens: list[list[int]]
   seconds: float  # wall time of the jitted call, compilation excluded when warm
   steps: int  # target forwards after prefill
+  # With `feature_layers`: per row `[prompt + output tokens, W]` (numpy), the features a
+  # forward over the whole sequence gives, collected inside the loop.
+  features: list[np.ndarray] | None = None
 
   @property
   def num_tokens(self) -> int:
@@ -164,22 +197,39 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
                 max_new_tokens: int | Sequence[int] = 128,
                 sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                 max_len: int | None = None, mesh=None,
-                prefill_fn=None) -> GenerationOutput:
+                prefill_fn=None,
+                feature_layers: Sequence[int] | None = None,
+                prompt_width: int | None = None) -> GenerationOutput:
   """Autoregressive generation for a batch of token-id prompts of any lengths.
 
   `prefill_fn`: the prompt's prefill in place of the dense one (`target_prefill`; e.g.
   `prune.prefill.PrunedPrefill(schedule)`, a token-pruned one), decoding stays dense.
+
+  `feature_layers` (`Llama.feature_layers`; () = the final norm's output): also return
+  each row's features over prompt + output (`GenerationOutput.features`), taken from the
+  prefill and the decode steps themselves plus one forward of the last tokens, instead of
+  a second pass over the finished sequences (`train.features.target_features`).
+  `prompt_width`: the padded prompt length (`batching.prepare_batch`); with `max_len` and
+  the number of rows fixed, calls of any prompt lengths share one compiled loop.
 
   With a `mesh` (`jakiro_jax.sharding.make_mesh`) the same loop runs as one jit with the
   target's weights, the prompts and the cache sharded by the logical-axis rules;
   `shard_target` places the weights once beforehand (else each call moves them).
   """
   prefill_fn = check_prefill_fn(prefill_fn, mesh)
-  batch = prepare_batch(target.config, prompts, max_new_tokens, max_len)
+  if feature_layers is not None:
+    if mesh is not None or prefill_fn is not None:
+      raise ValueError("feature_layers: features are collected on one device with the "
+                       "dense prefill (no mesh, no prefill_fn)")
+    feature_layers = check_feature_layers(target.config, feature_layers)
+  batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
+                        prompt_width=prompt_width)
   size = len(batch.lengths)
   static = dict(config=target.config, max_new_tokens=int(batch.budgets.max()),
                 sampling=sampling, stop_ids=tuple(target.stop_ids), pad_id=0,
                 prefill_fn=prefill_fn)
+  if feature_layers is not None:
+    static["feature_layers"] = feature_layers
   inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
             jnp.asarray(batch.budgets), jax.random.PRNGKey(seed))
   if mesh is None:
@@ -197,10 +247,18 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
                                       donate_argnums=(5,))  # the cache
   start = time.perf_counter()
   state = run(params, *inputs, cache)
+  prompt_features = None
+  if feature_layers is not None:
+    state, prompt_features = state
   # On several hosts (a mesh over every process's devices) the rows are spread over the
   # processes: every process gathers them all (`to_host`, a collective).
   fetch = jax.device_get if mesh is None else sharding.to_host
   tokens, counts, steps = fetch((state.tokens, state.num_generated, state.step))
+  features = None
+  if feature_layers is not None:
+    prompt_features, output_features = jax.device_get((prompt_features, state.features))
+    features = [np.concatenate([prompt_features[i, :p], output_features[i, :n]])
+                for i, (p, n) in enumerate(zip(batch.lengths, counts))]
   seconds = time.perf_counter() - start
   return GenerationOutput([list(map(int, t[:n])) for t, n in zip(tokens, counts)],
-                          seconds, int(steps) - 1)
+                          seconds, int(steps) - 1, features)

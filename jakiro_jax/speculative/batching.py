@@ -49,8 +49,12 @@ class PaddedBatch:
 
 def prepare_batch(config: LlamaConfig, prompts: Sequence[Sequence[int]],
                   max_new_tokens: int | Sequence[int], max_len: int | None = None,
-                  extra_slots: int = 0, pad_id: int = 0) -> PaddedBatch:
+                  extra_slots: int = 0, pad_id: int = 0,
+                  prompt_width: int | None = None) -> PaddedBatch:
   """Validates prompts and budgets and pads them into static shapes.
+
+  `prompt_width`: pad the prompts to this many tokens instead of the longest one's bucket
+  (so that batches of any prompt lengths share one compiled program).
 
   `extra_slots`: cache slots a speculative round writes from its root's slot on (the
   draft tree before verification); an explicit `max_len` must hold every row's positions
@@ -72,6 +76,11 @@ def prepare_batch(config: LlamaConfig, prompts: Sequence[Sequence[int]],
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   lengths = np.array([len(p) for p in prompts], np.int32)
   padded_len = prompt_bucket(int(lengths.max()))
+  if prompt_width is not None:
+    if prompt_width < lengths.max():
+      raise ValueError(f"prompt_width {prompt_width} is shorter than the longest prompt "
+                       f"({int(lengths.max())} tokens)")
+    padded_len = int(prompt_width)
   # The row with the most positions: every sum below is of one row's numbers.
   longest = int(np.argmax(lengths + budgets))
   length, budget = int(lengths[longest]), int(budgets[longest])

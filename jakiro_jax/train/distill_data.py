@@ -30,6 +30,7 @@ import numpy as np
 from jakiro_jax.atomic_dir import write_json
 from jakiro_jax.models.llama import check_feature_layers
 from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.batching import prompt_bucket
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.train import data, prompt_mix
 from jakiro_jax.train.features import target_features
@@ -85,6 +86,14 @@ class GenDataSettings:
   # The target streams stored per position (`models.llama.Llama.feature_layers`): () the
   # final norm's output; a method's `training_feature_layers` (`feature_layers_for`).
   feature_layers: tuple[int, ...] = ()
+  # How the features are made (neither changes what is stored beyond rounding, so
+  # neither is part of meta.json): False = inside the generation loop (prefill and
+  # decode steps), True = a second forward over each finished conversation.
+  second_forward: bool = False
+  # Every generation call padded to batch_size rows and one prompt width (max_len -
+  # max_new_tokens): one compiled loop per run, at the price of padded prefill work
+  # (what an accelerator, where each compilation takes a minute, wants).
+  fixed_shapes: bool = False
 
   def __post_init__(self):
     if self.responses not in ("regenerate", "file"):
@@ -246,6 +255,8 @@ def make_shard(target, prompts: Sequence[str], shard: int, settings: GenDataSett
   limit = settings.max_len - (settings.max_new_tokens if regenerate else 1)
   kept = [i for i in indices if len(prompt_ids[i]) <= limit]
   conversations = {}  # (prompt, answer) -> (ids, mask)
+  loop_features = {}  # (prompt, answer) -> [L, W], when the loop collects them
+  in_loop = regenerate and not settings.second_forward
   if regenerate:
     groups = list(data.length_batches([len(prompt_ids[i]) for i in kept],
                                       settings.batch_size))
@@ -259,14 +270,16 @@ def make_shard(target, prompts: Sequence[str], shard: int, settings: GenDataSett
         if variant:
           seed = int(np.random.SeedSequence((settings.seed, shard, b, variant)
                                             ).generate_state(1)[0])
-        out = generate_ar(target, [prompt_ids[i] for i in rows], settings.max_new_tokens,
-                          sampling, seed=seed)
-        for i, response in zip(rows, out.tokens):
+        out = _generate(target, [prompt_ids[i] for i in rows], settings, sampling, seed,
+                        in_loop)
+        for j, (i, response) in enumerate(zip(rows, out.tokens)):
           if list(response) in answers[i]:
             continue  # the same answer again: nothing new to learn
           answers[i].append(list(response))
           conversations[i, variant] = data.conversation(prompt_ids[i], response,
                                                         settings.max_len)
+          if in_loop:
+            loop_features[i, variant] = out.features[j][:len(conversations[i, variant][0])]
   else:
     for i in kept:
       text = target.tokenizer.apply_chat_template(
@@ -279,17 +292,38 @@ def make_shard(target, prompts: Sequence[str], shard: int, settings: GenDataSett
                                               settings.max_len)
   rows = []
   order = sorted(conversations)
-  for group in data.length_batches([len(conversations[k][0]) for k in order],
-                                   settings.batch_size):
+  groups = [] if in_loop else data.length_batches([len(conversations[k][0]) for k in order],
+                                                  settings.batch_size)
+  for group in groups:
     members = [order[j] for j in group]
     feats = target_features(target, [conversations[k][0] for k in members],
                             settings.batch_size, feature_layers=settings.feature_layers)
-    for key, f in zip(members, feats):
-      ids, mask = conversations[key]
-      rows.append({"prompt_index": key[0], "answer": key[1], "input_ids": ids,
-                   "loss_mask": mask, "features": f.astype(np.float16)})
+    loop_features.update(zip(members, feats))
+  for key in order:
+    ids, mask = conversations[key]
+    rows.append({"prompt_index": key[0], "answer": key[1], "input_ids": ids,
+                 "loss_mask": mask, "features": loop_features[key].astype(np.float16)})
   rows.sort(key=lambda r: (r["prompt_index"], r["answer"]))
   return rows, len(indices) - len(kept)
+
+
+def _generate(target, prompts: Sequence[Sequence[int]], settings: GenDataSettings,
+              sampling: SamplingConfig, seed: int, in_loop: bool):
+  """`generate_ar` for one group of a shard, with the features when `in_loop`; with
+  `fixed_shapes` padded to `batch_size` rows of one prompt width and cache length."""
+  features = settings.feature_layers if in_loop else None
+  if not settings.fixed_shapes:
+    return generate_ar(target, prompts, settings.max_new_tokens, sampling, seed=seed,
+                       feature_layers=features)
+  filler = settings.batch_size - len(prompts)  # one-token rows with a budget of one
+  width = prompt_bucket(settings.max_len - settings.max_new_tokens)
+  out = generate_ar(target, list(prompts) + [[0]] * filler,
+                    [settings.max_new_tokens] * len(prompts) + [1] * filler, sampling,
+                    seed=seed, max_len=width + settings.max_new_tokens,
+                    feature_layers=features, prompt_width=width)
+  n = len(prompts)
+  return dataclasses.replace(out, tokens=out.tokens[:n],
+                             features=None if out.features is None else out.features[:n])
 
 
 def prompt_sources(records: Sequence[Mapping] | None, count: int) -> list[str]:
@@ -328,6 +362,8 @@ def make_feature_set(target, prompts: Sequence[str], out_dir, settings: GenDataS
   settings_meta["self_prompt_kinds"] = list(settings.self_prompt_kinds)
   # Named only when not the final norm's output: a set made before the key existed
   # (which holds that) continues with the same meta.json.
+  for how in ("second_forward", "fixed_shapes"):
+    settings_meta.pop(how)
   settings_meta.pop("feature_layers")
   if settings.feature_layers:
     settings_meta["feature_layers"] = list(settings.feature_layers)
