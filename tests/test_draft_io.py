@@ -47,7 +47,7 @@ def test_load_errors(tmp_path, tiny_pair):
   with pytest.raises(ValueError, match="model.safetensors is damaged: its sha256 differs"):
     load_draft(tmp_path, target)
   os.remove(tmp_path / RECORD)  # a directory without a record: the reader names the file
-  with pytest.raises(ValueError, match="corrupt or missing"):
+  with pytest.raises(ValueError, match="model.safetensors .corrupt or truncated"):
     load_draft(tmp_path, target)
 
 
@@ -163,3 +163,23 @@ def test_exported_target_and_router_are_checked(tmp_path, tiny_pair):
   (tmp_path / "router.json").write_text(json.dumps(record))
   with pytest.raises(ValueError, match="router.json is damaged"):
     load_router(str(tmp_path / "router.json"))
+
+
+def test_a_draft_split_into_files_of_a_maximum_size_loads_the_same(tmp_path, tiny_pair):
+  _, target = tiny_pair
+  drafter = make_drafter("jakiro", target.config)
+  params = drafter.init_params(jax.random.PRNGKey(3))
+  whole, split = tmp_path / "whole", tmp_path / "split"
+  save_draft(whole, drafter, params)
+  limit = os.path.getsize(whole / "model.safetensors") // 3
+  save_draft(split, drafter, params, max_file_bytes=limit)
+  shards = sorted(p.name for p in split.glob("model-*-of-*.safetensors"))
+  assert len(shards) >= 3 and not (split / "model.safetensors").exists()
+  biggest = max(a.nbytes for a in jax.tree.leaves(params))
+  assert all(os.path.getsize(split / n) <= max(limit, biggest) + 4096 for n in shards)
+  _, got = load_draft(split, target)
+  _, want = load_draft(whole, target)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  os.remove(split / shards[1])
+  with pytest.raises(ValueError, match=shards[1]):
+    load_draft(split, target)

@@ -1,4 +1,6 @@
-"""Saving and loading drafts in our own layout: `draft.json` + `model.safetensors`.
+"""Saving and loading drafts in our own layout: `draft.json` + `model.safetensors` (or,
+past `save_draft`'s `max_file_bytes`, `model-0000i-of-0000n.safetensors` with
+`model.safetensors.index.json`, the HuggingFace layout).
 
 Parameter names are the params-pytree paths joined with '/'. The target's embedding and
 lm_head are never stored. Both files are covered by the directory's integrity record
@@ -66,12 +68,14 @@ def _unflatten(flat):
 
 
 def save_draft(out_dir, drafter, params, dtype: str | None = None,
-               overwrite: bool = False, force: bool = False) -> None:
+               overwrite: bool = False, force: bool = False,
+               max_file_bytes: int | None = None) -> None:
   """Writes `draft.json` + `model.safetensors` (params cast to `dtype` if given) and their
   record, all at once (`jakiro_jax/atomic_dir.py`): a non-empty `out_dir` is refused
-  unless `overwrite`, and then replaced whole only once the new directory is complete."""
-  from safetensors.numpy import save_file
-
+  unless `overwrite`, and then replaced whole only once the new directory is complete.
+  `max_file_bytes`: weights past it are split into shards of at most that size with an
+  index (for transfers and stores that cap a file's size)."""
+  from jakiro_jax.models.convert import write_safetensors_shards
 
   check_destination(out_dir, overwrite, force=force)  # before the device -> host copy
   flat = _flatten(jax.device_get(params))
@@ -84,7 +88,7 @@ def save_draft(out_dir, drafter, params, dtype: str | None = None,
           "tree": {"top_k": drafter.tree.top_k, "depth": drafter.tree.depth,
                    "total_tokens": drafter.tree.total_tokens}}
   with atomic_dir(out_dir, overwrite, force) as tmp:
-    save_file(flat, os.path.join(tmp, "model.safetensors"))
+    write_safetensors_shards(tmp, flat, max_file_bytes or sum(a.nbytes for a in flat.values()))
     with open(os.path.join(tmp, "draft.json"), "w") as f:
       json.dump(meta, f, indent=2)
 
@@ -98,14 +102,18 @@ def load_draft(source, target, tree: TreeConfig | None = None,
   must match the directory's record (`integrity.verify_dir`) and the weights hold no
   NaN/Inf (`allow_nonfinite`).
   """
-  from safetensors import SafetensorError
-  from safetensors.numpy import load_file
+  from jakiro_jax.models.convert import INDEX, read_safetensors_dir
 
   source = draft_path(source)
   meta_path = os.path.join(source, "draft.json")
   if not os.path.isfile(meta_path):
     raise FileNotFoundError(f"{source} is not a draft directory (no draft.json)")
-  verify_dir(source, DRAFT_FILES, _older_digests(meta_path), meta_path)
+  names = list(DRAFT_FILES)
+  index_path = os.path.join(source, INDEX)
+  if os.path.isfile(index_path):  # sharded: the index and every file it names
+    weight_map = read_json(index_path, "").get("weight_map", {})
+    names = ["draft.json", INDEX, *sorted(set(weight_map.values()))]
+  verify_dir(source, names, _older_digests(meta_path), meta_path)
   meta = read_json(meta_path, f"{source} is not a draft directory (no draft.json)")
   for field, ours in (("hidden_size", target.config.hidden_size),
                       ("vocab_size", target.config.vocab_size)):
@@ -118,11 +126,7 @@ def load_draft(source, target, tree: TreeConfig | None = None,
              for k, v in meta.get("options", {}).items()}
   options.update(overrides or {})
   drafter = make_drafter(meta["method"], target.config, tree, **options)
-  try:
-    flat = load_file(os.path.join(source, "model.safetensors"))
-  except (SafetensorError, OSError) as e:
-    raise ValueError(f"cannot read {source}/model.safetensors (corrupt or missing?): {e}") \
-        from None
+  flat = read_safetensors_dir(source)
   expected = _flatten(jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0)))
   wrong = sorted(set(expected) ^ set(flat)) + sorted(
       k for k in set(expected) & set(flat) if tuple(expected[k].shape) != flat[k].shape)

@@ -308,6 +308,36 @@ def _load_safetensors_any_dtype(path, load_file):
   return {k: np.asarray(v, dtype=np.float32) for k, v in load_flax(path).items()}
 
 
+def write_safetensors_shards(directory: str, state: Mapping[str, np.ndarray],
+                             max_shard_bytes: int, always_index: bool = False) -> list[str]:
+  """Writes `state` as `model.safetensors`, or past `max_shard_bytes` as
+  `model-0000i-of-0000n.safetensors` (tensors in name order, each file up to the limit
+  unless one tensor alone exceeds it) with `INDEX` (also for one file with
+  `always_index`): what `read_safetensors_dir` reads. Returns the names written."""
+  from safetensors.numpy import save_file
+
+  shards, current, size = [], {}, 0
+  for key in sorted(state):
+    nbytes = state[key].nbytes
+    if current and size + nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[key] = state[key]
+    size += nbytes
+  shards.append(current)
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))])
+  for name, shard in zip(names, shards):
+    save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
+  if len(shards) > 1 or always_index:
+    weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+    total = sum(a.nbytes for a in state.values())
+    with open(os.path.join(directory, INDEX), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    names.append(INDEX)
+  return names
+
+
 def write_hf_dir(cfg: LlamaConfig, variables: Mapping, out_dir: str | os.PathLike,
                  tokenizer=None, max_shard_bytes: int = 2 << 30,
                  overwrite: bool = False, always_index: bool = False,
@@ -320,30 +350,10 @@ def write_hf_dir(cfg: LlamaConfig, variables: Mapping, out_dir: str | os.PathLik
   non-empty `out_dir` is refused unless `overwrite`, and then replaced whole, so no file of
   an older model stays beside the new.
   """
-  from safetensors.numpy import save_file
-
-
   state = params_to_hf(cfg, variables)
-  shards, current, size = [], {}, 0
-  for key in sorted(state):
-    nbytes = state[key].nbytes
-    if current and size + nbytes > max_shard_bytes:
-      shards.append(current)
-      current, size = {}, 0
-    current[key] = state[key]
-    size += nbytes
-  shards.append(current)
-  names = (["model.safetensors"] if len(shards) == 1 else
-           [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))])
   hf = cfg.to_hf_dict()
   with atomic_dir(out_dir, overwrite, force) as tmp:
-    for name, shard in zip(names, shards):
-      save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
-    if len(shards) > 1 or always_index:
-      weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
-      total = sum(a.nbytes for a in state.values())
-      with open(os.path.join(tmp, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    write_safetensors_shards(tmp, state, max_shard_bytes, always_index)
     if tokenizer is not None:
       hf.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
       tokenizer.save_pretrained(tmp)
