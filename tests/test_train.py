@@ -730,3 +730,27 @@ def test_resume_with_every_checkpoint_damaged_says_so_and_starts_over(finished_r
   assert "resumed" not in said[4]
   for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference)):
     assert np.array_equal(np.asarray(got), np.asarray(want))  # the same run from scratch
+
+
+def test_init_draft_starts_the_run_from_a_saved_draft(tiny_target, feature_set, tmp_path):
+  """A fresh run from config.init_draft starts at its weights (lr 0: ends there too); a
+  draft of another method is refused in one line."""
+  from jakiro_jax.drafts.io import load_draft, save_draft
+  from jakiro_jax.train.trainer import TrainInputError
+  target_dir, target = tiny_target
+  data_dir, _ = feature_set
+  overrides = _tiny_overrides(target_dir, "eagle2", num_steps=1, save_every=100, lr=0.0,
+                              vocab_subset=0)
+  start, params = _drafter("eagle2", target, seed=7)
+  save_draft(tmp_path / "start", start, params)
+  config = _config("configs/smollm2_135m_eagle2.py", dict(overrides, init_draft=str(
+      tmp_path / "start")))
+  result = train(config, data_dir, tmp_path / "run")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), result.params,
+               jax.tree.map(lambda a: np.asarray(a, np.float32), params))
+  other, other_params = _drafter("jakiro", target)
+  save_draft(tmp_path / "jakiro", other, other_params)
+  config = _config("configs/smollm2_135m_eagle2.py", dict(overrides, init_draft=str(
+      tmp_path / "jakiro")))
+  with pytest.raises(TrainInputError, match="is a jakiro draft that does not fit"):
+    train(config, data_dir, tmp_path / "run2")

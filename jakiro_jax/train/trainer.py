@@ -120,6 +120,9 @@ def default_config(method: str | None = None) -> ml_collections.ConfigDict:
   # Optimisation: AdamW, linear warm-up then cosine decay, clipping (clip_mode value: EAGLE /
   # Jakiro clip_grad_value_, global_norm: Gumiho). num_steps 0: num_epochs * steps_per_epoch.
   c.num_steps = 0
+  # A draft directory or shipped draft name (same method and shapes) whose weights a fresh
+  # run starts from instead of a random init (e.g. retraining a shipped draft on new data).
+  c.init_draft = ""
   # The method's own: optimiser settings (`OPTIMISER_DEFAULTS` under its recipe), loss
   # weights, draft block, and `recipe` recording whose these are.
   method_settings.apply_method_defaults(c, c.method)
@@ -584,9 +587,11 @@ def _place_run(config, inputs: _Inputs, out_dir: str) -> _Run:
               is_writer=jax.process_index() == 0, multihost=jax.process_count() > 1)
 
 
-def _initial_state(drafter, tx, seed: int) -> dict:
-  """The train state {params, opt_state, step, rng} a run with this seed starts from."""
-  params = initial_params(drafter, seed)
+def _initial_state(drafter, tx, seed: int, params=None) -> dict:
+  """The train state {params, opt_state, step, rng} a run with this seed starts from
+  (from `params` when given: `config.init_draft`'s)."""
+  if params is None:
+    params = initial_params(drafter, seed)
   return {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
           "rng": step_key(seed)}
 
@@ -627,6 +632,27 @@ def _restore_newest(run: _Run, checkpoints, notices: list[str]):
   return None
 
 
+def _init_draft_params(config, inputs: _Inputs):
+  """`config.init_draft`'s weights, checked against the draft this run trains."""
+  from jakiro_jax.drafts.io import _flatten, load_draft
+
+  try:
+    drafter, params = load_draft(config.init_draft, inputs.target)
+  except (OSError, ValueError) as e:
+    raise TrainInputError(f"config.init_draft={config.init_draft}: {e}") from None
+  expected = _flatten(jax.eval_shape(inputs.drafter.init_params, jax.random.PRNGKey(0)))
+  got = _flatten(params)
+  wrong = sorted(set(expected) ^ set(got)) + sorted(
+      k for k in set(expected) & set(got) if tuple(expected[k].shape) != got[k].shape)
+  if drafter.name != inputs.drafter.name or wrong:
+    raise TrainInputError(
+        f"config.init_draft={config.init_draft} is a {drafter.name} draft that does not fit "
+        f"this run's {inputs.drafter.name} draft ({', '.join(wrong[:4]) or 'another method'})")
+  return jax.tree.map(lambda e, p: jnp.asarray(p, e.dtype),
+                      jax.eval_shape(inputs.drafter.init_params, jax.random.PRNGKey(0)),
+                      params)
+
+
 def _start_state(run: _Run, checkpoints, resume: bool, notices: list[str]):
   """(run, train state, vocab subset or None, first step): with `resume` the newest
   intact checkpoint if there is one, else a fresh state at step 0 (`notices` gets a line
@@ -637,8 +663,9 @@ def _start_state(run: _Run, checkpoints, resume: bool, notices: list[str]):
   config, inputs = run.config, run.inputs
   restored = _restore_newest(run, checkpoints, notices) if resume else None
   if restored is None:
-    state = jax.jit(lambda: _initial_state(inputs.drafter, run.tx, config.seed),
-                    out_shardings=run.state_sharding)()
+    start_params = _init_draft_params(config, inputs) if config.get("init_draft") else None
+    state = jax.jit(lambda p: _initial_state(inputs.drafter, run.tx, config.seed, p),
+                    out_shardings=run.state_sharding)(start_params)
     subset, start = None, 0
   else:
     state, subset, draft_vocab, start = restored

@@ -1,0 +1,332 @@
+"""One command from prompts to drafts: data -> every method trained -> evaluation -> drafts.
+
+  python -m launch.campaign --config=configs/smollm2_135m.py --scale=cpu \
+      --prompts=path/to/prompts.jsonl --questions_dir=path/to/eval --out=runs/campaign
+
+The steps are the launchers themselves, run one after another as child processes (each
+keeps its own flags, logs and resumption): `launch.gen_data` (the evaluation questions
+excluded; a second set with EAGLE-3's streams when eagle3 is among --methods),
+`launch.train` for each method (`configs/<config>_<method>.py`, --resume), then
+`launch.eval_suite` on the evaluation files with every trained draft. Last, each draft is
+copied to OUT/drafts/<target>-<method> in files of at most --max_file_mb (the weights
+split with an index where needed) and OUT/results.json gathers the data's totals, each
+step's seconds and each method's tau per file and pooled.
+
+--time_budget_s stops the step under way when the budget is spent (its launcher resumes
+from its last shard, checkpoint or result file): the same command continues the campaign.
+Steps already finished are recorded in OUT/campaign.json and skipped. --dry_run prints the
+commands. --scale chooses the sizes (`SCALES`; `--set=key=value` changes one of them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+from launch import cli
+
+# Sizes of a campaign. prompts: file prompts used; self_prompts: prompts the target writes
+# itself (steered to every kind of task); samples: sampled answers per prompt beside the
+# greedy one; train_steps 0: train_epochs over the set; eval_questions / eval_new_tokens:
+# per evaluation file.
+SCALES = {
+    # The end-to-end test: a few minutes of this CPU.
+    "tiny": dict(prompts=4, self_prompts=0, samples=0, max_new_tokens=8, max_len=256,
+                 batch_size=4, shard_size=4, fixed_shapes=False, train_steps=2,
+                 train_epochs=0.0, eval_questions=1, eval_new_tokens=8, temperatures="0"),
+    # Hours of a 2-core CPU (SmolLM2-135M): broad prompts, ~6,000 conversations.
+    "cpu": dict(prompts=3000, self_prompts=1500, samples=1, max_new_tokens=192,
+                max_len=1024, batch_size=32, shard_size=256, fixed_shapes=False,
+                train_steps=0, train_epochs=2.0, eval_questions=5, eval_new_tokens=96,
+                temperatures="0,1"),
+    # One H100 or H200, two calls of under 10 minutes (data, then training + evaluation):
+    # >= 20,000 conversations, one compiled generation loop (a compilation takes a minute).
+    "gpu": dict(prompts=12000, self_prompts=4000, samples=1, max_new_tokens=192,
+                max_len=1024, batch_size=256, shard_size=2048, fixed_shapes=True,
+                train_steps=0, train_epochs=2.0, eval_questions=3, eval_new_tokens=96,
+                temperatures="0,1"),
+}
+SELF_PROMPT_KINDS = "code,qa,summarisation,extraction,reasoning,writing"
+STATE_FILE = "campaign.json"
+RESULTS_FILE = "results.json"
+
+_CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
+                                 "Experiment config file (target, trees); each method "
+                                 "trains with <config>_<method>.py beside it.",
+                                 lock_config=True)
+_PROMPTS = flags.DEFINE_string("prompts", None, "FastChat-format jsonl of training prompts.")
+_QUESTIONS_DIR = flags.DEFINE_string("questions_dir", None,
+                                     "Directory of the evaluation .jsonl files (kept out of "
+                                     "the data, then evaluated on).")
+_OUT = flags.DEFINE_string("out", None, "Campaign directory.")
+_SCALE = flags.DEFINE_enum("scale", "tiny", list(SCALES), "Sizes of the campaign.")
+_SET = flags.DEFINE_list("set", [], "key=value changes to the scale's sizes.")
+_METHODS = flags.DEFINE_list("methods", ["eagle2", "jakiro", "gumiho"],
+                             "Methods trained and evaluated.")
+_WARM_START = flags.DEFINE_bool("warm_start", False, "Start each method from the draft "
+                                "shipped for the target (where one exists).")
+_TIME_BUDGET = flags.DEFINE_float("time_budget_s", None, "Stop after this many seconds; "
+                                  "the same command continues.")
+_MAX_FILE_MB = flags.DEFINE_integer("max_file_mb", 16, "Largest file of a copied draft.",
+                                    lower_bound=1)
+_JAX_CACHE = flags.DEFINE_string("jax_cache", "auto", "Persistent compilation cache of "
+                                 "every step (gen_data's --jax_cache).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the steps' commands and exit.")
+flags.mark_flags_as_required(["prompts", "questions_dir", "out"])
+
+
+@dataclasses.dataclass
+class Step:
+  name: str
+  command: list[str]
+  done_when: str | None = None  # a path whose existence means the step finished before
+
+
+def scale_settings(scale: str, changes) -> dict:
+  """The scale's sizes with `key=value` changes (each value of the key's type)."""
+  sizes = dict(SCALES[scale])
+  for change in changes:
+    key, sep, value = change.partition("=")
+    if not sep or key not in sizes:
+      raise app.UsageError(f"--set takes key=value with key one of {sorted(sizes)}; "
+                           f"got {change!r}")
+    kind = type(sizes[key])
+    try:
+      sizes[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+    except ValueError:
+      raise app.UsageError(f"--set {key} takes a {kind.__name__}, got {value!r}") from None
+  return sizes
+
+
+def train_config_path(config: str, method: str) -> str:
+  base, ext = os.path.splitext(config)
+  return f"{base}_{method}{ext}"
+
+
+def question_files(questions_dir: str) -> list[str]:
+  files = sorted(glob.glob(os.path.join(questions_dir, "*.jsonl")))
+  if not files:
+    raise app.UsageError(f"--questions_dir={questions_dir} holds no .jsonl files")
+  return files
+
+
+def plan(config: str, prompts: str, questions: list[str], out: str, sizes: dict,
+         methods: list[str], target_name: str, warm_start: bool,
+         jax_cache: str = "auto") -> list[Step]:
+  """The campaign's steps in order."""
+  py = [sys.executable, "-m"]
+  data_sets = {m: os.path.join(out, "data_eagle3" if m == "eagle3" else "data")
+               for m in methods}
+  steps = []
+  for data_dir in sorted(set(data_sets.values())):
+    command = py + [
+        "launch.gen_data", f"--config={config}", f"--prompts={prompts}", f"--out={data_dir}",
+        f"--max_prompts={sizes['prompts']}", f"--max_new_tokens={sizes['max_new_tokens']}",
+        f"--max_len={sizes['max_len']}", f"--batch_size={sizes['batch_size']}",
+        f"--shard_size={sizes['shard_size']}", f"--samples_per_prompt={sizes['samples']}",
+        f"--exclude_questions={','.join(questions)}", f"--jax_cache={jax_cache}"]
+    if sizes["self_prompts"]:
+      command += [f"--self_prompts={sizes['self_prompts']}",
+                  f"--self_prompt_kinds={SELF_PROMPT_KINDS}"]
+    if sizes["fixed_shapes"]:
+      command.append("--fixed_shapes")
+    if data_dir.endswith("_eagle3"):
+      command.append("--method=eagle3")
+    steps.append(Step(f"data:{os.path.basename(data_dir)}", command))
+  for method in methods:
+    run_dir = os.path.join(out, "train", method)
+    command = py + ["launch.train", f"--config={train_config_path(config, method)}",
+                    f"--data={data_sets[method]}", f"--out={run_dir}", "--resume"]
+    if sizes["train_steps"]:
+      command.append(f"--max_steps={sizes['train_steps']}")
+    else:
+      command += ["--config.num_steps=0", f"--config.num_epochs={sizes['train_epochs']}"]
+    shipped = f"{target_name}-{method}"
+    if warm_start and _shipped(shipped):
+      command.append(f"--config.init_draft={shipped}")
+    steps.append(Step(f"train:{method}", command,
+                      done_when=os.path.join(run_dir, "draft", "draft.json")))
+  drafts = [os.path.join(out, "train", m, "draft") for m in methods]
+  steps.append(Step("eval", py + [
+      "launch.eval_suite", f"--config={config}", f"--methods={','.join(methods)}",
+      f"--drafts={','.join(drafts)}", f"--questions={','.join(questions)}",
+      f"--temperatures={sizes['temperatures']}", f"--max_questions={sizes['eval_questions']}",
+      f"--max_new_tokens={sizes['eval_new_tokens']}", f"--out={os.path.join(out, 'eval')}"]))
+  return steps
+
+
+def _shipped(name: str) -> bool:
+  from jakiro_jax.drafts.io import SHIPPED_DRAFTS
+  return name in SHIPPED_DRAFTS
+
+
+class BudgetSpent(Exception):
+  pass
+
+
+def run_step(step: Step, deadline: float | None) -> float:
+  """Runs the step's command; seconds taken. BudgetSpent when the deadline came first (the
+  child is stopped with SIGTERM, then SIGKILL after 30 s); RuntimeError if it failed."""
+  start = time.monotonic()
+  child = subprocess.Popen(step.command)
+  try:
+    child.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 1))
+  except subprocess.TimeoutExpired:
+    child.send_signal(signal.SIGTERM)
+    try:
+      child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      child.kill()
+      child.wait()
+    raise BudgetSpent(step.name) from None
+  except KeyboardInterrupt:
+    child.send_signal(signal.SIGINT)
+    child.wait()
+    raise
+  if child.returncode:
+    raise RuntimeError(f"step {step.name} failed (exit code {child.returncode}): "
+                       f"{shlex.join(step.command)}")
+  return time.monotonic() - start
+
+
+def copy_drafts(out: str, methods: list[str], target_name: str, max_file_bytes: int) -> dict:
+  """Each trained draft to OUT/drafts/<target>-<method>, weights in files of at most
+  `max_file_bytes`; {method: [file names]}."""
+  from jakiro_jax.atomic_dir import atomic_dir
+  from jakiro_jax.drafts.io import DRAFT_FILES
+  from jakiro_jax.models.convert import read_safetensors_dir, write_safetensors_shards
+
+  written = {}
+  for method in methods:
+    source = os.path.join(out, "train", method, "draft")
+    dest = os.path.join(out, "drafts", f"{target_name}-{method}")
+    state = read_safetensors_dir(source)
+    with atomic_dir(dest, overwrite=True) as tmp:
+      names = write_safetensors_shards(tmp, state, max_file_bytes)
+      with open(os.path.join(source, DRAFT_FILES[0])) as f:
+        meta = f.read()
+      with open(os.path.join(tmp, DRAFT_FILES[0]), "w") as f:
+        f.write(meta)
+    written[method] = sorted(names + [DRAFT_FILES[0]])
+  return written
+
+
+def gather_results(out: str, methods: list[str]) -> dict:
+  """{method: {T: {"tau": pooled, "per_file": {file: tau}, "speedup_mean": ...}}} from the
+  evaluation's result files."""
+  results: dict = {}
+  for path in sorted(glob.glob(os.path.join(out, "eval", "*_T*_*.json"))):
+    with open(path) as f:
+      record = json.load(f)
+    method = record.get("method")
+    if method not in methods or "rounds" not in record:
+      continue
+    category = os.path.basename(path).rsplit("_T", 1)[0]
+    entry = results.setdefault(method, {}).setdefault(str(record["temperature"]), {
+        "new_tokens": 0, "rounds": 0, "per_file": {}, "speedups": {},
+        "greedy_mismatches": 0})
+    entry["new_tokens"] += record["new_tokens"]
+    entry["rounds"] += record["rounds"]
+    entry["per_file"][category] = record["tau"]
+    entry["speedups"][category] = record.get("speedup")
+    entry["greedy_mismatches"] += record.get("greedy_mismatches") or 0
+  for per_t in results.values():
+    for entry in per_t.values():
+      entry["tau"] = entry["new_tokens"] / entry["rounds"] if entry["rounds"] else None
+  return results
+
+
+def _load_state(out: str) -> dict:
+  path = os.path.join(out, STATE_FILE)
+  if not os.path.exists(path):
+    return {"steps": {}}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _save_state(out: str, state: dict) -> None:
+  from jakiro_jax.atomic_dir import write_json
+  write_json(os.path.join(out, STATE_FILE), state)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from ml_collections import config_flags
+  cli.require_files(prompts=_PROMPTS.value)
+  config = cli.checked_config(_CONFIG.value)
+  config_file = config_flags.get_config_filename(flags.FLAGS["config"])
+  from jakiro_jax.drafts import registry
+  unknown = [m for m in _METHODS.value if m not in registry.names()]
+  if unknown:
+    raise app.UsageError(f"--methods: no method {', '.join(unknown)}; available: "
+                         f"{', '.join(registry.names())}")
+  missing = [m for m in _METHODS.value if not os.path.isfile(train_config_path(config_file, m))]
+  if missing:
+    raise app.UsageError(f"no training config for {', '.join(missing)}: expected "
+                         + ", ".join(train_config_path(config_file, m) for m in missing))
+  sizes = scale_settings(_SCALE.value, _SET.value)
+  questions = question_files(_QUESTIONS_DIR.value)
+  target_name = str(config.target)
+  out = _OUT.value
+  steps = plan(config_file, _PROMPTS.value, questions, out, sizes, _METHODS.value,
+               target_name, _WARM_START.value, _JAX_CACHE.value)
+  if _DRY_RUN.value:
+    for step in steps:
+      print(f"# {step.name}\n{shlex.join(step.command)}")
+    return
+  os.makedirs(out, exist_ok=True)
+  state = _load_state(out)
+  wanted = {"scale": _SCALE.value, "sizes": sizes, "methods": list(_METHODS.value),
+            "config": config_file, "prompts": _PROMPTS.value, "warm_start": _WARM_START.value}
+  if state.get("settings") not in (None, wanted):
+    raise app.UsageError(f"{out} holds a campaign with other settings "
+                         f"({state['settings']}); use a new --out")
+  state["settings"] = wanted
+  _save_state(out, state)
+  deadline = None if not _TIME_BUDGET.value else time.monotonic() + _TIME_BUDGET.value
+  for step in steps:
+    record = state["steps"].get(step.name, {})
+    if record.get("done") or (step.done_when and os.path.exists(step.done_when)):
+      print(f"campaign: {step.name} done before", file=sys.stderr)
+      continue
+    print(f"campaign: {step.name}: {shlex.join(step.command)}", file=sys.stderr, flush=True)
+    try:
+      seconds = run_step(step, deadline)
+    except BudgetSpent:
+      print(f"campaign: time budget spent during {step.name}; run the same command to "
+            f"continue", file=sys.stderr)
+      sys.exit(3)
+    except RuntimeError as e:
+      print(f"campaign: {e}", file=sys.stderr)
+      sys.exit(1)
+    state["steps"][step.name] = {"done": True, "seconds": round(
+        record.get("seconds", 0.0) + seconds, 1)}
+    _save_state(out, state)
+  from jakiro_jax.train.distill_data import summarize
+  data_totals = {os.path.basename(d): summarize(d)
+                 for d in sorted(glob.glob(os.path.join(out, "data*")))}
+  files = copy_drafts(out, _METHODS.value, target_name, _MAX_FILE_MB.value << 20)
+  results = {"settings": wanted, "steps": state["steps"], "data": data_totals,
+             "drafts": files, "evaluation": gather_results(out, _METHODS.value)}
+  from jakiro_jax.atomic_dir import write_json
+  write_json(os.path.join(out, RESULTS_FILE), results, indent=2)
+  for method, per_t in results["evaluation"].items():
+    for temperature, entry in sorted(per_t.items()):
+      print(f"{method} T={temperature}: pooled tau {entry['tau']:.2f}  " + "  ".join(
+          f"{k} {v:.2f}" for k, v in sorted(entry["per_file"].items())))
+  print(f"drafts in {os.path.join(out, 'drafts')}; results in "
+        f"{os.path.join(out, RESULTS_FILE)}")
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,130 @@
+"""launch.campaign: the steps it plans, its sizes, the drafts it copies, the results it
+gathers, and (slow) the whole campaign at tiny scale on the embedded target."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from absl import app
+
+from launch import campaign
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _jsonl(path, questions):
+  path.write_text("".join(json.dumps({"question_id": i, "category": path.stem,
+                                      "turns": [q]}) + "\n" for i, q in enumerate(questions)))
+  return str(path)
+
+
+def _prompts(tmp_path):
+  return _jsonl(tmp_path / "prompts.jsonl", [
+      "Name a primary colour.", "What is 2 + 3?", "Say hello in French.",
+      "Give one word for happy.", "Write a haiku about rain."])
+
+
+def test_plan_runs_gen_data_then_each_method_then_the_evaluation(tmp_path):
+  sizes = campaign.scale_settings("gpu", ["prompts=10", "fixed_shapes=false"])
+  assert sizes["prompts"] == 10 and sizes["fixed_shapes"] is False
+  questions = ["q/a.jsonl", "q/b.jsonl"]
+  steps = campaign.plan("configs/smollm2_135m.py", "p.jsonl", questions, str(tmp_path),
+                        sizes, ["eagle2", "eagle3", "gumiho"], "smollm2", warm_start=False)
+  names = [s.name for s in steps]
+  assert names == ["data:data", "data:data_eagle3", "train:eagle2", "train:eagle3",
+                   "train:gumiho", "eval"]
+  data, data3 = steps[0].command, steps[1].command
+  assert "--exclude_questions=q/a.jsonl,q/b.jsonl" in data and "--max_prompts=10" in data
+  assert "--method=eagle3" in data3 and "--method=eagle3" not in data
+  assert "--fixed_shapes" not in data and "--self_prompts=4000" in data
+  train3 = steps[3].command
+  assert f"--data={tmp_path / 'data_eagle3'}" in train3
+  assert "--config=configs/smollm2_135m_eagle3.py" in train3 and "--resume" in train3
+  assert "--config.num_epochs=2.0" in train3
+  assert steps[3].done_when == str(tmp_path / "train" / "eagle3" / "draft" / "draft.json")
+  evaluation = steps[-1].command
+  assert "--methods=eagle2,eagle3,gumiho" in evaluation
+  assert "--temperatures=0,1" in evaluation
+
+
+def test_bad_sizes_are_refused_in_one_line():
+  with pytest.raises(app.UsageError, match="key one of"):
+    campaign.scale_settings("tiny", ["promts=3"])
+  with pytest.raises(app.UsageError, match="prompts takes a int"):
+    campaign.scale_settings("tiny", ["prompts=many"])
+
+
+def test_drafts_are_copied_in_files_of_at_most_the_limit(tmp_path, tiny_pair):
+  from jakiro_jax.drafts import make_drafter
+  from jakiro_jax.drafts.io import load_draft, save_draft
+  _, target = tiny_pair
+  drafter = make_drafter("gumiho", target.config)
+  params = drafter.init_params(jax.random.PRNGKey(0))
+  save_draft(tmp_path / "train" / "gumiho" / "draft", drafter, params)
+  size = os.path.getsize(tmp_path / "train" / "gumiho" / "draft" / "model.safetensors")
+  files = campaign.copy_drafts(str(tmp_path), ["gumiho"], "tiny", size // 2)
+  copied = tmp_path / "drafts" / "tiny-gumiho"
+  assert "model.safetensors.index.json" in files["gumiho"] and "draft.json" in files["gumiho"]
+  shards = [n for n in files["gumiho"] if n.startswith("model-")]
+  assert len(shards) >= 2
+  _, loaded = load_draft(copied, target)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               loaded, params)
+
+
+def test_results_pool_tau_over_the_files(tmp_path):
+  (tmp_path / "eval").mkdir()
+  for name, method, t, tokens, rounds in [("gsm8k", "eagle2", 0, 90, 30),
+                                          ("alpaca", "eagle2", 0, 60, 40),
+                                          ("alpaca", "eagle2", 1, 50, 50),
+                                          ("alpaca", "ar", 0, 60, 60)]:
+    record = {"method": method, "temperature": t, "new_tokens": tokens, "rounds": rounds,
+              "tau": tokens / rounds, "speedup": 1.1, "greedy_mismatches": 0}
+    (tmp_path / "eval" / f"{name}_T{t}_{method}.json").write_text(json.dumps(record))
+  results = campaign.gather_results(str(tmp_path), ["eagle2"])
+  assert set(results) == {"eagle2"} and set(results["eagle2"]) == {"0", "1"}
+  assert results["eagle2"]["0"]["tau"] == pytest.approx(150 / 70)
+  assert results["eagle2"]["0"]["per_file"] == {"gsm8k": 3.0, "alpaca": 1.5}
+
+
+def _campaign(*args, **kwargs):
+  return subprocess.run([sys.executable, "-m", "launch.campaign", *args], cwd=REPO,
+                        capture_output=True, text=True, **kwargs)
+
+
+def test_the_command_line_names_bad_input(tmp_path):
+  prompts = _prompts(tmp_path)
+  out = _campaign(f"--prompts={prompts}", f"--questions_dir={tmp_path}",
+                  f"--out={tmp_path / 'c'}", "--methods=eagle2,medusa")
+  assert out.returncode != 0 and "no method medusa" in out.stderr
+  (tmp_path / "empty").mkdir()
+  out = _campaign(f"--prompts={prompts}", f"--questions_dir={tmp_path / 'empty'}",
+                  f"--out={tmp_path / 'c'}", "--methods=eagle2")
+  assert out.returncode != 0 and "holds no .jsonl files" in out.stderr
+
+
+@pytest.mark.slow  # minutes: every launcher loads the target and compiles
+def test_a_tiny_campaign_runs_end_to_end_and_resumes(tmp_path):
+  questions = tmp_path / "eval"
+  questions.mkdir()
+  _jsonl(questions / "gsm8k.jsonl", ["Tom has 3 apples and buys 4 more. How many now?"])
+  _jsonl(questions / "alpaca.jsonl", ["Give three tips for staying healthy."])
+  args = [f"--prompts={_prompts(tmp_path)}", f"--questions_dir={questions}", f"--out={tmp_path / 'c'}",
+          "--scale=tiny"]
+  first = _campaign(*args, timeout=1800)
+  assert first.returncode == 0, first.stderr[-3000:]
+  results = json.loads((tmp_path / "c" / "results.json").read_text())
+  assert set(results["evaluation"]) == {"eagle2", "jakiro", "gumiho"}
+  for method, per_t in results["evaluation"].items():
+    assert per_t["0"]["tau"] >= 1.0 and set(per_t["0"]["per_file"]) == {"gsm8k", "alpaca"}
+    assert per_t["0"]["greedy_mismatches"] == 0
+    assert (tmp_path / "c" / "drafts" / f"smollm2-{method}" / "draft.json").exists()
+  assert results["data"]["data"]["conversations"] >= 1
+  again = _campaign(*args, timeout=600)
+  assert again.returncode == 0 and again.stderr.count("done before") == 5
