@@ -5,7 +5,8 @@
 
 The steps are the launchers themselves, run one after another as child processes (each
 keeps its own flags, logs and resumption): `launch.gen_data` (the evaluation questions
-excluded; a second set with EAGLE-3's streams when eagle3 is among --methods),
+excluded; one set per distinct target streams the methods train on, e.g. a second one with
+EAGLE-3's fused streams),
 `launch.train` for each method (`configs/<config>_<method>.py`, --resume), then
 `launch.eval_suite` on the evaluation files with every trained draft. Last, each draft is
 copied to OUT/drafts/<target>-<method> in files of at most --max_file_mb (the weights
@@ -70,8 +71,8 @@ _QUESTIONS_DIR = flags.DEFINE_string("questions_dir", None,
 _OUT = flags.DEFINE_string("out", None, "Campaign directory.")
 _SCALE = flags.DEFINE_enum("scale", "tiny", list(SCALES), "Sizes of the campaign.")
 _SET = flags.DEFINE_list("set", [], "key=value changes to the scale's sizes.")
-_METHODS = flags.DEFINE_list("methods", ["eagle2", "jakiro", "gumiho"],
-                             "Methods trained and evaluated.")
+_METHODS = flags.DEFINE_list("methods", None, "Methods trained and evaluated (default: "
+                             "the evaluation launchers' methods, `registry.EVAL_METHODS`).")
 _WARM_START = flags.DEFINE_bool("warm_start", False, "Start each method from the draft "
                                 "shipped for the target (where one exists).")
 _TIME_BUDGET = flags.DEFINE_float("time_budget_s", None, "Stop after this many seconds; "
@@ -119,13 +120,23 @@ def question_files(questions_dir: str) -> list[str]:
   return files
 
 
+def data_dir_name(feature_layers) -> str:
+  """A feature set's directory: "data" for the final norm's output, else named by the
+  target streams it stores (e.g. "data_2_15_27_m1")."""
+  if not feature_layers:
+    return "data"
+  return "data_" + "_".join(str(i).replace("-", "m") for i in feature_layers)
+
+
 def plan(config: str, prompts: str, questions: list[str], out: str, sizes: dict,
-         methods: list[str], target_name: str, warm_start: bool,
+         feature_layers: dict[str, tuple[int, ...]], target_name: str, warm_start: bool,
          jax_cache: str = "auto") -> list[Step]:
-  """The campaign's steps in order."""
+  """The campaign's steps in order. `feature_layers`: {method: the target streams it
+  trains on} (`distill_data.feature_layers_for`): one feature set per distinct tuple."""
   py = [sys.executable, "-m"]
-  data_sets = {m: os.path.join(out, "data_eagle3" if m == "eagle3" else "data")
-               for m in methods}
+  methods = list(feature_layers)
+  data_sets = {m: os.path.join(out, data_dir_name(feature_layers[m])) for m in methods}
+  layers_of = {data_sets[m]: feature_layers[m] for m in methods}
   steps = []
   for data_dir in sorted(set(data_sets.values())):
     command = py + [
@@ -139,8 +150,8 @@ def plan(config: str, prompts: str, questions: list[str], out: str, sizes: dict,
                   f"--self_prompt_kinds={SELF_PROMPT_KINDS}"]
     if sizes["fixed_shapes"]:
       command.append("--fixed_shapes")
-    if data_dir.endswith("_eagle3"):
-      command.append("--method=eagle3")
+    if layers_of[data_dir]:
+      command.append("--feature_layers=" + ",".join(str(i) for i in layers_of[data_dir]))
     steps.append(Step(f"data:{os.path.basename(data_dir)}", command))
   for method in methods:
     run_dir = os.path.join(out, "train", method)
@@ -221,8 +232,8 @@ def copy_drafts(out: str, methods: list[str], target_name: str, max_file_bytes: 
 
 
 def gather_results(out: str, methods: list[str]) -> dict:
-  """{method: {T: {"tau": pooled, "per_file": {file: tau}, "speedup_mean": ...}}} from the
-  evaluation's result files."""
+  """{method: {T: {"tau": pooled, "per_file": {file: tau}, "speedups": {file: speedup},
+  ...}}} from the evaluation's result files."""
   results: dict = {}
   for path in sorted(glob.glob(os.path.join(out, "eval", "*_T*_*.json"))):
     with open(path) as f:
@@ -231,17 +242,19 @@ def gather_results(out: str, methods: list[str]) -> dict:
     if method not in methods or "rounds" not in record:
       continue
     category = os.path.basename(path).rsplit("_T", 1)[0]
-    entry = results.setdefault(method, {}).setdefault(str(record["temperature"]), {
-        "new_tokens": 0, "rounds": 0, "per_file": {}, "speedups": {},
+    entry = results.setdefault(method, {}).setdefault(f"{float(record['temperature']):g}", {
+        "new_tokens": 0, "rounds": 0, "tau_rounds": 0.0, "per_file": {}, "speedups": {},
         "greedy_mismatches": 0})
     entry["new_tokens"] += record["new_tokens"]
     entry["rounds"] += record["rounds"]
+    entry["tau_rounds"] += record["tau"] * record["rounds"]
     entry["per_file"][category] = record["tau"]
     entry["speedups"][category] = record.get("speedup")
     entry["greedy_mismatches"] += record.get("greedy_mismatches") or 0
   for per_t in results.values():
     for entry in per_t.values():
-      entry["tau"] = entry["new_tokens"] / entry["rounds"] if entry["rounds"] else None
+      # tau = 1 + accepted draft tokens per round (`benchmark.spec_fields`), over all rounds
+      entry["tau"] = entry.pop("tau_rounds") / entry["rounds"] if entry["rounds"] else None
   return results
 
 
@@ -266,11 +279,12 @@ def main(argv):
   config = cli.checked_config(_CONFIG.value)
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   from jakiro_jax.drafts import registry
-  unknown = [m for m in _METHODS.value if m not in registry.names()]
+  methods = list(_METHODS.value or registry.EVAL_METHODS)
+  unknown = [m for m in methods if m not in registry.names()]
   if unknown:
     raise app.UsageError(f"--methods: no method {', '.join(unknown)}; available: "
                          f"{', '.join(registry.names())}")
-  missing = [m for m in _METHODS.value if not os.path.isfile(train_config_path(config_file, m))]
+  missing = [m for m in methods if not os.path.isfile(train_config_path(config_file, m))]
   if missing:
     raise app.UsageError(f"no training config for {', '.join(missing)}: expected "
                          + ", ".join(train_config_path(config_file, m) for m in missing))
@@ -278,15 +292,21 @@ def main(argv):
   questions = question_files(_QUESTIONS_DIR.value)
   target_name = str(config.target)
   out = _OUT.value
-  steps = plan(config_file, _PROMPTS.value, questions, out, sizes, _METHODS.value,
-               target_name, _WARM_START.value, _JAX_CACHE.value)
+  print(f"loading target {target_name} (for the streams each method trains on) ...",
+        file=sys.stderr)
+  from jakiro_jax.target import load_target
+  from jakiro_jax.train.distill_data import feature_layers_for
+  target_config = load_target(config.target, dtype=config.dtype, with_tokenizer=False).config
+  layers = {m: feature_layers_for(config, m, target_config) for m in methods}
+  steps = plan(config_file, _PROMPTS.value, questions, out, sizes, layers, target_name,
+               _WARM_START.value, _JAX_CACHE.value)
   if _DRY_RUN.value:
     for step in steps:
       print(f"# {step.name}\n{shlex.join(step.command)}")
     return
   os.makedirs(out, exist_ok=True)
   state = _load_state(out)
-  wanted = {"scale": _SCALE.value, "sizes": sizes, "methods": list(_METHODS.value),
+  wanted = {"scale": _SCALE.value, "sizes": sizes, "methods": methods,
             "config": config_file, "prompts": _PROMPTS.value, "warm_start": _WARM_START.value}
   if state.get("settings") not in (None, wanted):
     raise app.UsageError(f"{out} holds a campaign with other settings "
@@ -315,9 +335,9 @@ def main(argv):
   from jakiro_jax.train.distill_data import summarize
   data_totals = {os.path.basename(d): summarize(d)
                  for d in sorted(glob.glob(os.path.join(out, "data*")))}
-  files = copy_drafts(out, _METHODS.value, target_name, _MAX_FILE_MB.value << 20)
+  files = copy_drafts(out, methods, target_name, _MAX_FILE_MB.value << 20)
   results = {"settings": wanted, "steps": state["steps"], "data": data_totals,
-             "drafts": files, "evaluation": gather_results(out, _METHODS.value)}
+             "drafts": files, "evaluation": gather_results(out, methods)}
   from jakiro_jax.atomic_dir import write_json
   write_json(os.path.join(out, RESULTS_FILE), results, indent=2)
   for method, per_t in results["evaluation"].items():

@@ -34,17 +34,19 @@ def test_plan_runs_gen_data_then_each_method_then_the_evaluation(tmp_path):
   sizes = campaign.scale_settings("gpu", ["prompts=10", "fixed_shapes=false"])
   assert sizes["prompts"] == 10 and sizes["fixed_shapes"] is False
   questions = ["q/a.jsonl", "q/b.jsonl"]
+  layers = {"eagle2": (), "eagle3": (2, 15, 27, -1), "gumiho": ()}
   steps = campaign.plan("configs/smollm2_135m.py", "p.jsonl", questions, str(tmp_path),
-                        sizes, ["eagle2", "eagle3", "gumiho"], "smollm2", warm_start=False)
+                        sizes, layers, "smollm2", warm_start=False)
   names = [s.name for s in steps]
-  assert names == ["data:data", "data:data_eagle3", "train:eagle2", "train:eagle3",
+  assert names == ["data:data", "data:data_2_15_27_m1", "train:eagle2", "train:eagle3",
                    "train:gumiho", "eval"]
   data, data3 = steps[0].command, steps[1].command
   assert "--exclude_questions=q/a.jsonl,q/b.jsonl" in data and "--max_prompts=10" in data
-  assert "--method=eagle3" in data3 and "--method=eagle3" not in data
+  assert "--feature_layers=2,15,27,-1" in data3
+  assert not any(a.startswith("--feature_layers") for a in data)
   assert "--fixed_shapes" not in data and "--self_prompts=4000" in data
   train3 = steps[3].command
-  assert f"--data={tmp_path / 'data_eagle3'}" in train3
+  assert f"--data={tmp_path / 'data_2_15_27_m1'}" in train3
   assert "--config=configs/smollm2_135m_eagle3.py" in train3 and "--resume" in train3
   assert "--config.num_epochs=2.0" in train3
   assert steps[3].done_when == str(tmp_path / "train" / "eagle3" / "draft" / "draft.json")
@@ -80,15 +82,16 @@ def test_drafts_are_copied_in_files_of_at_most_the_limit(tmp_path, tiny_pair):
 
 def test_results_pool_tau_over_the_files(tmp_path):
   (tmp_path / "eval").mkdir()
-  for name, method, t, tokens, rounds in [("gsm8k", "eagle2", 0, 90, 30),
-                                          ("alpaca", "eagle2", 0, 60, 40),
-                                          ("alpaca", "eagle2", 1, 50, 50),
-                                          ("alpaca", "ar", 0, 60, 60)]:
+  for name, method, t, tokens, rounds, tau in [("gsm8k", "eagle2", 0, 91, 30, 3.0),
+                                               ("alpaca", "eagle2", 0, 61, 40, 1.5),
+                                               ("alpaca", "eagle2", 1, 51, 50, 1.0),
+                                               ("alpaca", "ar", 0, 60, 60, 1.0)]:
     record = {"method": method, "temperature": t, "new_tokens": tokens, "rounds": rounds,
-              "tau": tokens / rounds, "speedup": 1.1, "greedy_mismatches": 0}
+              "tau": tau, "speedup": 1.1, "greedy_mismatches": 0}
     (tmp_path / "eval" / f"{name}_T{t}_{method}.json").write_text(json.dumps(record))
   results = campaign.gather_results(str(tmp_path), ["eagle2"])
   assert set(results) == {"eagle2"} and set(results["eagle2"]) == {"0", "1"}
+  # 1 + accepted tokens per round over both files' rounds: (3.0 * 30 + 1.5 * 40) / 70
   assert results["eagle2"]["0"]["tau"] == pytest.approx(150 / 70)
   assert results["eagle2"]["0"]["per_file"] == {"gsm8k": 3.0, "alpaca": 1.5}
 
