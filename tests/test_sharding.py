@@ -76,9 +76,15 @@ def generate_worker() -> dict:
   new_tokens = 8
   out = {"devices": len(jax.devices()), "tokens": {}, "specs": {}}
   meshes = {None: None, **{m: sharding.make_mesh(m) for m in MESHES}}
+  out["feature_error"] = {}
+  reference_features = generate_ar(target, prompts, new_tokens, feature_layers=()).features
   for key, mesh in meshes.items():
     placed = target if mesh is None else sharding.shard_target(target, mesh)
     out["tokens"][f"ar {key}"] = generate_ar(placed, prompts, new_tokens, mesh=mesh).tokens
+    if mesh is not None:  # gen_data's loop on a mesh: the same features
+      features = generate_ar(placed, prompts, new_tokens, mesh=mesh, feature_layers=()).features
+      out["feature_error"][str(key)] = max(float(np.abs(a - b).max())
+                                           for a, b in zip(features, reference_features))
     if mesh is not None:
       attn = placed.params["params"]["layers_0"]["attn"]
       cache, _ = sharding.sharded_zeros(lambda: new_cache(target.config, len(prompts), 64),
@@ -227,6 +233,8 @@ def test_sharded_generation_gives_the_unsharded_greedy_tokens(workers):
     assert len(reference) == 8 and all(len(row) == 8 for row in reference)
     for mesh in MESHES_OF[method]:
       assert tokens[f"{method} {mesh}"] == reference, (method, mesh)
+  assert set(out["feature_error"]) == {str(m) for m in MESHES}
+  assert max(out["feature_error"].values()) < 1e-4, out["feature_error"]
   # The weights and the cache really were split: query/kv heads over tensor, embed over
   # fsdp; the cache over the batch axes and kv heads (4 heads do not split 8 ways).
   # (Axes of size 1 stay in the specs; they split nothing.)

@@ -153,7 +153,8 @@ def jobs(settings: ReportSettings, config, platform: aot.Platform) -> list[Job]:
       out.append(Job(f"gen_data b{s.gen_data_batch}", kind,
                      lambda: programs.ar_loop_program(
                          config, mesh, s.gen_data_batch, s.gen_data_prompt_len,
-                         s.gen_data_max_new_tokens, s.gen_data_max_len, name="gen_data")))
+                         s.gen_data_max_new_tokens, s.gen_data_max_len, name="gen_data",
+                         feature_layers=())))
     elif kind in ("round", "spec_loop"):
       for method in methods:
         for tree_set in s.tree_sets:

@@ -12,7 +12,8 @@ Programs:
   shortgpt_prefill   the dense prefill of the target with round(N S) blocks removed
   ar_step            one AR decode forward, cache donated (T = 1)
   ar_loop            the whole jitted AR `lax.while_loop` (`autoregressive._ar_loop`)
-  gen_data           `ar_loop` at the batch and lengths self-distillation generates with
+  gen_data           `ar_loop` at the batch and lengths self-distillation generates with,
+                     collecting the features (the final norm's output) as it goes
   round              one speculative round (draft + tree + verify + accept + commit)
   spec_loop          the whole jitted speculative loop (`generate._speculative_loop`)
   train              one training step with its optimizer (`trainer.make_train_step`)
@@ -184,15 +185,18 @@ def forward_program(config: LlamaConfig, mesh, batch: int, tokens: int,
 
 def ar_loop_program(config: LlamaConfig, mesh, batch: int, prompt_len: int,
                     max_new_tokens: int, max_len: int,
-                    sampling: SamplingConfig = SamplingConfig(), name: str = "ar_loop"
-                    ) -> Program:
+                    sampling: SamplingConfig = SamplingConfig(), name: str = "ar_loop",
+                    feature_layers: tuple[int, ...] | None = None) -> Program:
   """The whole jitted AR loop (prefill + while loop of decode steps), as `generate_ar`
-  runs it on a mesh."""
+  runs it on a mesh; with `feature_layers` collecting the features as gen_data does."""
   params, params_sh = abstract_target(config, mesh)
   cache, cache_sh = abstract_cache(lambda: new_cache(config, batch, max_len), mesh)
-  in_sh, out_sh = ar.ar_shardings(params_sh, cache_sh, batch, mesh)
+  in_sh, out_sh = ar.ar_shardings(params_sh, cache_sh, batch, mesh,
+                                  features=feature_layers is not None)
   static = dict(config=config, max_new_tokens=max_new_tokens, sampling=sampling,
                 stop_ids=STOP_IDS, pad_id=0, prefill_fn=None)
+  if feature_layers is not None:
+    static["feature_layers"] = tuple(feature_layers)
   fn = jax.jit(functools.partial(ar._ar_loop, **static), in_shardings=in_sh,
                out_shardings=out_sh, donate_argnums=(5,))
   args = (placed(params, params_sh), _rows(batch, mesh, jnp.int32, prompt_len),

@@ -163,14 +163,18 @@ def _ar_loop(params, prompt: jax.Array, prompt_lengths: jax.Array,
 ar_generate_jit = jax.jit(_ar_loop, static_argnames=AR_STATIC_ARGS, donate_argnames=("cache",))
 
 
-def ar_shardings(params_shardings, cache_shardings, batch: int, mesh):
+def ar_shardings(params_shardings, cache_shardings, batch: int, mesh,
+                 features: bool = False):
   """(in_shardings, out_shardings) of `_ar_loop` on a mesh: params as given, prompts and
-  per-row state over the batch axes, the cache in and out alike (so donation reuses it)."""
+  per-row state over the batch axes, the cache in and out alike (so donation reuses it);
+  with `features` (the loop's `feature_layers`) the features over the batch axes too."""
   rows = sharding.batch_sharding((batch,), mesh)
   scalar = sharding.replicated(mesh)
   in_shardings = (params_shardings, rows, rows, rows, scalar, cache_shardings)
   out_shardings = ARState(step=scalar, last_token=rows, tokens=rows, num_generated=rows,
-                          done=rows, cache=cache_shardings)
+                          done=rows, cache=cache_shardings, features=rows if features else None)
+  if features:
+    out_shardings = (out_shardings, rows)  # and the prompt's features
   return in_shardings, out_shardings
 
 
@@ -218,9 +222,9 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
   """
   prefill_fn = check_prefill_fn(prefill_fn, mesh)
   if feature_layers is not None:
-    if mesh is not None or prefill_fn is not None:
-      raise ValueError("feature_layers: features are collected on one device with the "
-                       "dense prefill (no mesh, no prefill_fn)")
+    if prefill_fn is not None:
+      raise ValueError("feature_layers: features are collected with the dense prefill "
+                       "(no prefill_fn)")
     feature_layers = check_feature_layers(target.config, feature_layers)
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
                         prompt_width=prompt_width)
@@ -240,7 +244,8 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
         lambda: new_cache(target.config, size, batch.max_len), mesh,
         sharding.cache_shardings)
     params_shardings = sharding.target_shardings(target.config, mesh)
-    in_shardings, out_shardings = ar_shardings(params_shardings, cache_shardings, size, mesh)
+    in_shardings, out_shardings = ar_shardings(params_shardings, cache_shardings, size, mesh,
+                                               features=feature_layers is not None)
     params = jax.device_put(target.params, params_shardings)
     inputs = jax.device_put(inputs, in_shardings[1:5])
     run = sharding.jit_with_shardings(_ar_loop, static, in_shardings, out_shardings,
@@ -256,7 +261,7 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
   tokens, counts, steps = fetch((state.tokens, state.num_generated, state.step))
   features = None
   if feature_layers is not None:
-    prompt_features, output_features = jax.device_get((prompt_features, state.features))
+    prompt_features, output_features = fetch((prompt_features, state.features))
     features = [np.concatenate([prompt_features[i, :p], output_features[i, :n]])
                 for i, (p, n) in enumerate(zip(batch.lengths, counts))]
   seconds = time.perf_counter() - start
