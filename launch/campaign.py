@@ -184,6 +184,10 @@ class BudgetSpent(Exception):
   pass
 
 
+class StepFailed(ValueError):
+  """A step's launcher exited with an error (it printed its own message above)."""
+
+
 def run_step(step: Step, deadline: float | None) -> float:
   """Runs the step's command; seconds taken. BudgetSpent when the deadline came first (the
   child is stopped with SIGTERM, then SIGKILL after 30 s); RuntimeError if it failed."""
@@ -204,8 +208,8 @@ def run_step(step: Step, deadline: float | None) -> float:
     child.wait()
     raise
   if child.returncode:
-    raise RuntimeError(f"step {step.name} failed (exit code {child.returncode}): "
-                       f"{shlex.join(step.command)}")
+    raise StepFailed(f"step {step.name} failed (exit code {child.returncode}; its message "
+                     f"is above): {shlex.join(step.command)}")
   return time.monotonic() - start
 
 
@@ -324,11 +328,8 @@ def main(argv):
       seconds = run_step(step, deadline)
     except BudgetSpent:
       print(f"campaign: time budget spent during {step.name}; run the same command to "
-            f"continue", file=sys.stderr)
-      sys.exit(3)
-    except RuntimeError as e:
-      print(f"campaign: {e}", file=sys.stderr)
-      sys.exit(1)
+            f"continue (no results.json yet)", file=sys.stderr)
+      return
     state["steps"][step.name] = {"done": True, "seconds": round(
         record.get("seconds", 0.0) + seconds, 1)}
     _save_state(out, state)
