@@ -258,10 +258,10 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
   # On several hosts (a mesh over every process's devices) the rows are spread over the
   # processes: every process gathers them all (`to_host`, a collective).
   fetch = jax.device_get if mesh is None else sharding.to_host
-  tokens, counts, steps = fetch((state.tokens, state.num_generated, state.step))
+  tokens, counts, steps, prompt_features, output_features = fetch(
+      (state.tokens, state.num_generated, state.step, prompt_features, state.features))
   features = None
   if feature_layers is not None:
-    prompt_features, output_features = fetch((prompt_features, state.features))
     features = [np.concatenate([prompt_features[i, :p], output_features[i, :n]])
                 for i, (p, n) in enumerate(zip(batch.lengths, counts))]
   seconds = time.perf_counter() - start

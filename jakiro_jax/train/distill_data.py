@@ -255,7 +255,7 @@ def make_shard(target, prompts: Sequence[str], shard: int, settings: GenDataSett
   limit = settings.max_len - (settings.max_new_tokens if regenerate else 1)
   kept = [i for i in indices if len(prompt_ids[i]) <= limit]
   conversations = {}  # (prompt, answer) -> (ids, mask)
-  loop_features = {}  # (prompt, answer) -> [L, W], when the loop collects them
+  features_of = {}  # (prompt, answer) -> [L, W], from the loop or the second forward
   in_loop = regenerate and not settings.second_forward
   if regenerate:
     groups = list(data.length_batches([len(prompt_ids[i]) for i in kept],
@@ -279,7 +279,7 @@ def make_shard(target, prompts: Sequence[str], shard: int, settings: GenDataSett
           conversations[i, variant] = data.conversation(prompt_ids[i], response,
                                                         settings.max_len)
           if in_loop:
-            loop_features[i, variant] = out.features[j][:len(conversations[i, variant][0])]
+            features_of[i, variant] = out.features[j][:len(conversations[i, variant][0])]
   else:
     for i in kept:
       text = target.tokenizer.apply_chat_template(
@@ -298,11 +298,11 @@ def make_shard(target, prompts: Sequence[str], shard: int, settings: GenDataSett
     members = [order[j] for j in group]
     feats = target_features(target, [conversations[k][0] for k in members],
                             settings.batch_size, feature_layers=settings.feature_layers)
-    loop_features.update(zip(members, feats))
+    features_of.update(zip(members, feats))
   for key in order:
     ids, mask = conversations[key]
     rows.append({"prompt_index": key[0], "answer": key[1], "input_ids": ids,
-                 "loss_mask": mask, "features": loop_features[key].astype(np.float16)})
+                 "loss_mask": mask, "features": features_of[key].astype(np.float16)})
   rows.sort(key=lambda r: (r["prompt_index"], r["answer"]))
   return rows, len(indices) - len(kept)
 

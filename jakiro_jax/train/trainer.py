@@ -640,17 +640,15 @@ def _init_draft_params(config, inputs: _Inputs):
     drafter, params = load_draft(config.init_draft, inputs.target)
   except (OSError, ValueError) as e:
     raise TrainInputError(f"config.init_draft={config.init_draft}: {e}") from None
-  expected = _flatten(jax.eval_shape(inputs.drafter.init_params, jax.random.PRNGKey(0)))
-  got = _flatten(params)
+  abstract = jax.eval_shape(inputs.drafter.init_params, jax.random.PRNGKey(0))
+  expected, got = _flatten(abstract), _flatten(params)
   wrong = sorted(set(expected) ^ set(got)) + sorted(
       k for k in set(expected) & set(got) if tuple(expected[k].shape) != got[k].shape)
   if drafter.name != inputs.drafter.name or wrong:
     raise TrainInputError(
         f"config.init_draft={config.init_draft} is a {drafter.name} draft that does not fit "
         f"this run's {inputs.drafter.name} draft ({', '.join(wrong[:4]) or 'another method'})")
-  return jax.tree.map(lambda e, p: jnp.asarray(p, e.dtype),
-                      jax.eval_shape(inputs.drafter.init_params, jax.random.PRNGKey(0)),
-                      params)
+  return jax.tree.map(lambda e, p: jnp.asarray(p, e.dtype), abstract, params)
 
 
 def _start_state(run: _Run, checkpoints, resume: bool, notices: list[str]):
