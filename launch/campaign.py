@@ -21,44 +21,19 @@ commands. --scale chooses the sizes (`SCALES`; `--set=key=value` changes one of 
 
 from __future__ import annotations
 
-import dataclasses
 import glob
-import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 
 from absl import app, flags
 
+from jakiro_jax.train.campaign import (RESULTS_FILE, SCALES, BudgetSpent, copy_drafts,
+                                       gather_results, load_state, plan, question_files,
+                                       run_step, save_state, scale_settings,
+                                       train_config_path)
 from launch import cli
-
-# Sizes of a campaign. prompts: file prompts used; self_prompts: prompts the target writes
-# itself (steered to every kind of task); samples: sampled answers per prompt beside the
-# greedy one; train_steps 0: train_epochs over the set; eval_questions / eval_new_tokens:
-# per evaluation file.
-SCALES = {
-    # The end-to-end test: a few minutes of this CPU.
-    "tiny": dict(prompts=4, self_prompts=0, samples=0, max_new_tokens=8, max_len=256,
-                 batch_size=4, shard_size=4, fixed_shapes=False, train_steps=2,
-                 train_epochs=0.0, eval_questions=1, eval_new_tokens=8, temperatures="0"),
-    # Hours of a 2-core CPU (SmolLM2-135M): broad prompts, ~6,000 conversations.
-    "cpu": dict(prompts=3000, self_prompts=1500, samples=1, max_new_tokens=192,
-                max_len=1024, batch_size=32, shard_size=256, fixed_shapes=False,
-                train_steps=0, train_epochs=2.0, eval_questions=5, eval_new_tokens=96,
-                temperatures="0,1"),
-    # One H100 or H200, two calls of under 10 minutes (data, then training + evaluation):
-    # >= 20,000 conversations, one compiled generation loop (a compilation takes a minute).
-    "gpu": dict(prompts=12000, self_prompts=4000, samples=1, max_new_tokens=192,
-                max_len=1024, batch_size=256, shard_size=2048, fixed_shapes=True,
-                train_steps=0, train_epochs=2.0, eval_questions=3, eval_new_tokens=96,
-                temperatures="0,1"),
-}
-SELF_PROMPT_KINDS = "code,qa,summarisation,extraction,reasoning,writing"
-STATE_FILE = "campaign.json"
-RESULTS_FILE = "results.json"
 
 _CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
                                  "Experiment config file (target, trees); each method "
@@ -83,196 +58,6 @@ _JAX_CACHE = flags.DEFINE_string("jax_cache", "auto", "Persistent compilation ca
                                  "every step (gen_data's --jax_cache).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the steps' commands and exit.")
 flags.mark_flags_as_required(["prompts", "questions_dir", "out"])
-
-
-@dataclasses.dataclass
-class Step:
-  name: str
-  command: list[str]
-  done_when: str | None = None  # a path whose existence means the step finished before
-
-
-def scale_settings(scale: str, changes) -> dict:
-  """The scale's sizes with `key=value` changes (each value of the key's type)."""
-  sizes = dict(SCALES[scale])
-  for change in changes:
-    key, sep, value = change.partition("=")
-    if not sep or key not in sizes:
-      raise app.UsageError(f"--set takes key=value with key one of {sorted(sizes)}; "
-                           f"got {change!r}")
-    kind = type(sizes[key])
-    try:
-      sizes[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
-    except ValueError:
-      raise app.UsageError(f"--set {key} takes a {kind.__name__}, got {value!r}") from None
-  return sizes
-
-
-def train_config_path(config: str, method: str) -> str:
-  base, ext = os.path.splitext(config)
-  return f"{base}_{method}{ext}"
-
-
-def question_files(questions_dir: str) -> list[str]:
-  files = sorted(glob.glob(os.path.join(questions_dir, "*.jsonl")))
-  if not files:
-    raise app.UsageError(f"--questions_dir={questions_dir} holds no .jsonl files")
-  return files
-
-
-def data_dir_name(feature_layers) -> str:
-  """A feature set's directory: "data" for the final norm's output, else named by the
-  target streams it stores (e.g. "data_2_15_27_m1")."""
-  if not feature_layers:
-    return "data"
-  return "data_" + "_".join(str(i).replace("-", "m") for i in feature_layers)
-
-
-def plan(config: str, prompts: str, questions: list[str], out: str, sizes: dict,
-         feature_layers: dict[str, tuple[int, ...]], target_name: str, warm_start: bool,
-         jax_cache: str = "auto") -> list[Step]:
-  """The campaign's steps in order. `feature_layers`: {method: the target streams it
-  trains on} (`distill_data.feature_layers_for`): one feature set per distinct tuple."""
-  py = [sys.executable, "-m"]
-  methods = list(feature_layers)
-  data_sets = {m: os.path.join(out, data_dir_name(feature_layers[m])) for m in methods}
-  layers_of = {data_sets[m]: feature_layers[m] for m in methods}
-  steps = []
-  for data_dir in sorted(set(data_sets.values())):
-    command = py + [
-        "launch.gen_data", f"--config={config}", f"--prompts={prompts}", f"--out={data_dir}",
-        f"--max_prompts={sizes['prompts']}", f"--max_new_tokens={sizes['max_new_tokens']}",
-        f"--max_len={sizes['max_len']}", f"--batch_size={sizes['batch_size']}",
-        f"--shard_size={sizes['shard_size']}", f"--samples_per_prompt={sizes['samples']}",
-        f"--exclude_questions={','.join(questions)}", f"--jax_cache={jax_cache}"]
-    if sizes["self_prompts"]:
-      command += [f"--self_prompts={sizes['self_prompts']}",
-                  f"--self_prompt_kinds={SELF_PROMPT_KINDS}"]
-    if sizes["fixed_shapes"]:
-      command.append("--fixed_shapes")
-    if layers_of[data_dir]:
-      command.append("--feature_layers=" + ",".join(str(i) for i in layers_of[data_dir]))
-    steps.append(Step(f"data:{os.path.basename(data_dir)}", command))
-  for method in methods:
-    run_dir = os.path.join(out, "train", method)
-    command = py + ["launch.train", f"--config={train_config_path(config, method)}",
-                    f"--data={data_sets[method]}", f"--out={run_dir}", "--resume"]
-    if sizes["train_steps"]:
-      command.append(f"--max_steps={sizes['train_steps']}")
-    else:
-      command += ["--config.num_steps=0", f"--config.num_epochs={sizes['train_epochs']}"]
-    shipped = f"{target_name}-{method}"
-    if warm_start and _shipped(shipped):
-      command.append(f"--config.init_draft={shipped}")
-    steps.append(Step(f"train:{method}", command,
-                      done_when=os.path.join(run_dir, "draft", "draft.json")))
-  drafts = [os.path.join(out, "train", m, "draft") for m in methods]
-  steps.append(Step("eval", py + [
-      "launch.eval_suite", f"--config={config}", f"--methods={','.join(methods)}",
-      f"--drafts={','.join(drafts)}", f"--questions={','.join(questions)}",
-      f"--temperatures={sizes['temperatures']}", f"--max_questions={sizes['eval_questions']}",
-      f"--max_new_tokens={sizes['eval_new_tokens']}", f"--out={os.path.join(out, 'eval')}"]))
-  return steps
-
-
-def _shipped(name: str) -> bool:
-  from jakiro_jax.drafts.io import SHIPPED_DRAFTS
-  return name in SHIPPED_DRAFTS
-
-
-class BudgetSpent(Exception):
-  pass
-
-
-class StepFailed(ValueError):
-  """A step's launcher exited with an error (it printed its own message above)."""
-
-
-def run_step(step: Step, deadline: float | None) -> float:
-  """Runs the step's command; seconds taken. BudgetSpent when the deadline came first (the
-  child is stopped with SIGTERM, then SIGKILL after 30 s); RuntimeError if it failed."""
-  start = time.monotonic()
-  child = subprocess.Popen(step.command)
-  try:
-    child.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 1))
-  except subprocess.TimeoutExpired:
-    child.send_signal(signal.SIGTERM)
-    try:
-      child.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-      child.kill()
-      child.wait()
-    raise BudgetSpent(step.name) from None
-  except KeyboardInterrupt:
-    child.send_signal(signal.SIGINT)
-    child.wait()
-    raise
-  if child.returncode:
-    raise StepFailed(f"step {step.name} failed (exit code {child.returncode}; its message "
-                     f"is above): {shlex.join(step.command)}")
-  return time.monotonic() - start
-
-
-def copy_drafts(out: str, methods: list[str], target_name: str, max_file_bytes: int) -> dict:
-  """Each trained draft to OUT/drafts/<target>-<method>, weights in files of at most
-  `max_file_bytes`; {method: [file names]}."""
-  from jakiro_jax.atomic_dir import atomic_dir
-  from jakiro_jax.drafts.io import DRAFT_FILES
-  from jakiro_jax.models.convert import read_safetensors_dir, write_safetensors_shards
-
-  written = {}
-  for method in methods:
-    source = os.path.join(out, "train", method, "draft")
-    dest = os.path.join(out, "drafts", f"{target_name}-{method}")
-    state = read_safetensors_dir(source)
-    with atomic_dir(dest, overwrite=True) as tmp:
-      names = write_safetensors_shards(tmp, state, max_file_bytes)
-      with open(os.path.join(source, DRAFT_FILES[0])) as f:
-        meta = f.read()
-      with open(os.path.join(tmp, DRAFT_FILES[0]), "w") as f:
-        f.write(meta)
-    written[method] = sorted(names + [DRAFT_FILES[0]])
-  return written
-
-
-def gather_results(out: str, methods: list[str]) -> dict:
-  """{method: {T: {"tau": pooled, "per_file": {file: tau}, "speedups": {file: speedup},
-  ...}}} from the evaluation's result files."""
-  results: dict = {}
-  for path in sorted(glob.glob(os.path.join(out, "eval", "*_T*_*.json"))):
-    with open(path) as f:
-      record = json.load(f)
-    method = record.get("method")
-    if method not in methods or "rounds" not in record:
-      continue
-    category = os.path.basename(path).rsplit("_T", 1)[0]
-    entry = results.setdefault(method, {}).setdefault(f"{float(record['temperature']):g}", {
-        "new_tokens": 0, "rounds": 0, "tau_rounds": 0.0, "per_file": {}, "speedups": {},
-        "greedy_mismatches": 0})
-    entry["new_tokens"] += record["new_tokens"]
-    entry["rounds"] += record["rounds"]
-    entry["tau_rounds"] += record["tau"] * record["rounds"]
-    entry["per_file"][category] = record["tau"]
-    entry["speedups"][category] = record.get("speedup")
-    entry["greedy_mismatches"] += record.get("greedy_mismatches") or 0
-  for per_t in results.values():
-    for entry in per_t.values():
-      # tau = 1 + accepted draft tokens per round (`benchmark.spec_fields`), over all rounds
-      entry["tau"] = entry.pop("tau_rounds") / entry["rounds"] if entry["rounds"] else None
-  return results
-
-
-def _load_state(out: str) -> dict:
-  path = os.path.join(out, STATE_FILE)
-  if not os.path.exists(path):
-    return {"steps": {}}
-  with open(path) as f:
-    return json.load(f)
-
-
-def _save_state(out: str, state: dict) -> None:
-  from jakiro_jax.atomic_dir import write_json
-  write_json(os.path.join(out, STATE_FILE), state)
 
 
 def main(argv):
@@ -309,14 +94,14 @@ def main(argv):
       print(f"# {step.name}\n{shlex.join(step.command)}")
     return
   os.makedirs(out, exist_ok=True)
-  state = _load_state(out)
+  state = load_state(out)
   wanted = {"scale": _SCALE.value, "sizes": sizes, "methods": methods,
             "config": config_file, "prompts": _PROMPTS.value, "warm_start": _WARM_START.value}
   if state.get("settings") not in (None, wanted):
     raise app.UsageError(f"{out} holds a campaign with other settings "
                          f"({state['settings']}); use a new --out")
   state["settings"] = wanted
-  _save_state(out, state)
+  save_state(out, state)
   deadline = None if not _TIME_BUDGET.value else time.monotonic() + _TIME_BUDGET.value
   for step in steps:
     record = state["steps"].get(step.name, {})
@@ -332,7 +117,7 @@ def main(argv):
       return
     state["steps"][step.name] = {"done": True, "seconds": round(
         record.get("seconds", 0.0) + seconds, 1)}
-    _save_state(out, state)
+    save_state(out, state)
   from jakiro_jax.train.distill_data import summarize
   data_totals = {os.path.basename(d): summarize(d)
                  for d in sorted(glob.glob(os.path.join(out, "data*")))}

@@ -5,6 +5,8 @@ import ast
 import dataclasses
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -211,3 +213,31 @@ def test_an_entry_point_that_fails_to_load_is_named(monkeypatch, value, error):
                                         rf"to load: {error}"):
     registry.get("broken")
   assert "broken" not in registry._registered
+
+
+def _launchers_imported_by_tests() -> set[str]:
+  """`launch.*` modules (other than `launch.cli`) that a test module imports into the test
+  process (module level or inside a test; code run in a child process is in strings)."""
+  found = set()
+  for name in os.listdir(os.path.join(REPO, "tests")):
+    if not name.endswith(".py"):
+      continue
+    for node in ast.walk(ast.parse(open(os.path.join(REPO, "tests", name)).read())):
+      if isinstance(node, ast.Import):
+        found |= {a.name for a in node.names if a.name.startswith("launch.")}
+      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        if node.module == "launch":
+          found |= {f"launch.{a.name}" for a in node.names}
+        elif node.module.startswith("launch."):
+          found.add(node.module)
+  return found - {"launch.cli"}
+
+
+def test_launchers_that_tests_import_can_share_one_process():
+  # Test modules share a worker process, and each launcher defines its flags at import:
+  # two that define the same flag name fail whichever test imports the second.
+  launchers = sorted(_launchers_imported_by_tests())
+  assert "launch.import_draft" in launchers  # the scan sees function-level imports
+  result = subprocess.run([sys.executable, "-c", "; ".join(f"import {m}" for m in launchers)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]

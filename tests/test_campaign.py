@@ -1,4 +1,4 @@
-"""launch.campaign: the steps it plans, its sizes, the drafts it copies, the results it
+"""The campaign (`launch.campaign`): the steps it plans, its sizes, the drafts it copies, the results it
 gathers, and (slow) the whole campaign at tiny scale on the embedded target."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from absl import app
 
-from launch import campaign
+from jakiro_jax.train import campaign
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,9 +55,9 @@ def test_plan_runs_gen_data_then_each_method_then_the_evaluation(tmp_path):
 
 
 def test_bad_sizes_are_refused_in_one_line():
-  with pytest.raises(app.UsageError, match="key one of"):
+  with pytest.raises(ValueError, match="key one of"):
     campaign.scale_settings("tiny", ["promts=3"])
-  with pytest.raises(app.UsageError, match="prompts takes a int"):
+  with pytest.raises(ValueError, match="prompts takes a int"):
     campaign.scale_settings("tiny", ["prompts=many"])
 
 
