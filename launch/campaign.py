@@ -32,7 +32,7 @@ from absl import app, flags
 from jakiro_jax.train.campaign import (RESULTS_FILE, SCALES, BudgetSpent, copy_drafts,
                                        gather_results, load_state, plan, question_files,
                                        run_step, save_state, scale_settings,
-                                       train_config_path)
+                                       train_config_path, verdicts)
 from launch import cli
 
 _CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
@@ -56,6 +56,9 @@ _MAX_FILE_MB = flags.DEFINE_integer("max_file_mb", 16, "Largest file of a copied
                                     lower_bound=1)
 _JAX_CACHE = flags.DEFINE_string("jax_cache", "auto", "Persistent compilation cache of "
                                  "every step (gen_data's --jax_cache).")
+_COMPARE = flags.DEFINE_bool("compare_shipped", False, "Evaluate the shipped drafts too, "
+                             "on the same questions, and say which trained draft beats its "
+                             "shipped one (results.json's verdicts).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the steps' commands and exit.")
 flags.mark_flags_as_required(["prompts", "questions_dir", "out"])
 
@@ -88,7 +91,7 @@ def main(argv):
   target_config = load_target(config.target, dtype=config.dtype, with_tokenizer=False).config
   layers = {m: feature_layers_for(config, m, target_config) for m in methods}
   steps = plan(config_file, _PROMPTS.value, questions, out, sizes, layers, target_name,
-               _WARM_START.value, _JAX_CACHE.value)
+               _WARM_START.value, _JAX_CACHE.value, _COMPARE.value)
   if _DRY_RUN.value:
     for step in steps:
       print(f"# {step.name}\n{shlex.join(step.command)}")
@@ -96,7 +99,8 @@ def main(argv):
   os.makedirs(out, exist_ok=True)
   state = load_state(out)
   wanted = {"scale": _SCALE.value, "sizes": sizes, "methods": methods,
-            "config": config_file, "prompts": _PROMPTS.value, "warm_start": _WARM_START.value}
+            "config": config_file, "prompts": _PROMPTS.value, "warm_start": _WARM_START.value,
+            "compare_shipped": _COMPARE.value}
   if state.get("settings") not in (None, wanted):
     raise app.UsageError(f"{out} holds a campaign with other settings "
                          f"({state['settings']}); use a new --out")
@@ -124,12 +128,18 @@ def main(argv):
   files = copy_drafts(out, methods, target_name, _MAX_FILE_MB.value << 20)
   results = {"settings": wanted, "steps": state["steps"], "data": data_totals,
              "drafts": files, "evaluation": gather_results(out, methods)}
+  if _COMPARE.value:
+    results["shipped_evaluation"] = gather_results(out, methods, "eval_shipped")
+    results["verdicts"] = verdicts(results["evaluation"], results["shipped_evaluation"])
   from jakiro_jax.atomic_dir import write_json
   write_json(os.path.join(out, RESULTS_FILE), results, indent=2)
   for method, per_t in results["evaluation"].items():
     for temperature, entry in sorted(per_t.items()):
       print(f"{method} T={temperature}: pooled tau {entry['tau']:.2f}  " + "  ".join(
           f"{k} {v:.2f}" for k, v in sorted(entry["per_file"].items())))
+  for method, verdict in results.get("verdicts", {}).items():
+    print(f"{method}: {'replaces' if verdict['replace'] else 'keeps'} the shipped draft "
+          f"({verdict['why']})")
   print(f"drafts in {os.path.join(out, 'drafts')}; results in "
         f"{os.path.join(out, RESULTS_FILE)}")
 

@@ -54,6 +54,10 @@ _PROMPTS = flags.DEFINE_string("prompts", None, "FastChat-format jsonl of questi
 _OUT = flags.DEFINE_string("out", None, "Output directory of the feature set.")
 _MAX_PROMPTS = flags.DEFINE_integer("max_prompts", None, "Use only the first N prompts.",
                                     lower_bound=1)
+_MAX_PER_SOURCE = flags.DEFINE_integer(
+    "max_per_source", None, "Keep at most this many prompts of any one source (the "
+    "records' \"source\" or \"category\"; a seeded random choice), before --max_prompts.",
+    lower_bound=1)
 _SELF_PROMPTS = flags.DEFINE_integer(
     "self_prompts", 0, "Extra prompts written by the target itself from the chat "
     "template's user prefix (sampled at T=1), appended after the file's prompts.",
@@ -135,8 +139,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from jakiro_jax.target import load_target
   from jakiro_jax.train.data import read_prompts
-  from jakiro_jax.train.distill_data import GenDataSettings, make_feature_set, summarize
-  from jakiro_jax.train.prompt_mix import read_questions
+  from jakiro_jax.train.distill_data import (GenDataSettings, make_feature_set,
+                                             prompt_sources, summarize)
+  from jakiro_jax.train.prompt_mix import cap_per_source, read_questions
 
   cli.require_files(prompts=_PROMPTS.value, exclude_questions=_EXCLUDE.value)
   config = cli.checked_config(_CONFIG.value)
@@ -162,9 +167,17 @@ def main(argv):
         fixed_shapes=_FIXED_SHAPES.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  prompts = read_prompts(_PROMPTS.value, _MAX_PROMPTS.value)
+  prompts = read_prompts(_PROMPTS.value)
   with open(_PROMPTS.value) as f:
-    records = [json.loads(line) for line in f if line.strip()][:len(prompts)]
+    records = [json.loads(line) for line in f if line.strip()]
+  extra_meta = {}
+  if _MAX_PER_SOURCE.value:
+    kept = cap_per_source(prompt_sources(records, len(records)), _MAX_PER_SOURCE.value,
+                          _SEED.value)
+    prompts, records = [prompts[i] for i in kept], [records[i] for i in kept]
+    extra_meta["max_per_source"] = _MAX_PER_SOURCE.value
+  prompts = prompts[:_MAX_PROMPTS.value]
+  records = records[:len(prompts)]
   excluded = read_questions(_EXCLUDE.value)
   from jakiro_jax import compile_cache
   compile_cache.enable(_JAX_CACHE.value)
@@ -177,7 +190,7 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   meta = make_feature_set(
       target, prompts, _OUT.value, settings, records, self_prompts=_SELF_PROMPTS.value,
-      extra_meta={"target_source": str(config.target),
+      extra_meta={**extra_meta, "target_source": str(config.target),
                   "prompts_file": os.path.basename(_PROMPTS.value),
                   "excluded_files": [os.path.basename(p) for p in _EXCLUDE.value]},
       max_shards=_MAX_SHARDS.value, excluded=excluded)

@@ -52,6 +52,19 @@ def test_plan_runs_gen_data_then_each_method_then_the_evaluation(tmp_path):
   evaluation = steps[-1].command
   assert "--methods=eagle2,eagle3,gumiho" in evaluation
   assert "--temperatures=0,1" in evaluation
+  assert "--max_per_source=2500" in data and "--samples_per_prompt=2" in data
+  # compare_shipped: the methods with a shipped draft for the target, on the same questions
+  compared = campaign.plan("configs/smollm2_135m.py", "p.jsonl", questions, str(tmp_path),
+                           dict(sizes, max_per_source=0), layers, "smollm2",
+                           warm_start=False, compare_shipped=True)
+  assert [s.name for s in compared] == names + ["eval:shipped"]
+  assert not any(a.startswith("--max_per_source") for a in compared[0].command)
+  shipped = compared[-1].command
+  assert "--methods=eagle2,gumiho" in shipped and not any(
+      a.startswith("--drafts") for a in shipped)
+  assert shipped[shipped.index("--methods=eagle2,gumiho") + 1:] == evaluation[
+      evaluation.index("--methods=eagle2,eagle3,gumiho") + 2:-1] + [
+          f"--out={tmp_path / 'eval_shipped'}"]
 
 
 def test_bad_sizes_are_refused_in_one_line():
@@ -93,6 +106,24 @@ def test_results_pool_tau_over_the_files(tmp_path):
   # 1 + accepted tokens per round over both files' rounds: (3.0 * 30 + 1.5 * 40) / 70
   assert results["eagle2"]["0"]["tau"] == pytest.approx(150 / 70)
   assert results["eagle2"]["0"]["per_file"] == {"gsm8k": 3.0, "alpaca": 1.5}
+
+
+def _entry(tau, gsm8k):
+  return {"tau": tau, "per_file": {"gsm8k": gsm8k, "qa": 2.0}}
+
+
+def test_a_trained_draft_replaces_the_shipped_one_only_when_better_everywhere():
+  shipped = {m: {"0": _entry(2.0, 3.5), "1": _entry(1.8, 3.0)}
+             for m in ("eagle2", "jakiro", "gumiho", "eagle3")}
+  trained = {"eagle2": {"0": _entry(2.3, 3.45), "1": _entry(1.9, 2.95)},  # gsm8k -1.4%, -1.7%
+             "jakiro": {"0": _entry(2.3, 3.5), "1": _entry(1.8, 3.0)},  # T=1 not higher
+             "gumiho": {"0": _entry(2.5, 3.3), "1": _entry(2.0, 3.0)},  # gsm8k -5.7% at T=0
+             "eagle3": {"0": _entry(2.5, 3.5)}}  # never shipped is not compared
+  got = campaign.verdicts(trained, {k: v for k, v in shipped.items() if k != "eagle3"})
+  assert set(got) == {"eagle2", "jakiro", "gumiho"}
+  assert got["eagle2"]["replace"]
+  assert not got["jakiro"]["replace"] and "T=1: pooled tau" in got["jakiro"]["why"]
+  assert not got["gumiho"]["replace"] and "T=0: gsm8k tau 3.30" in got["gumiho"]["why"]
 
 
 def _campaign(*args, **kwargs):

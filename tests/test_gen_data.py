@@ -94,19 +94,24 @@ def test_bad_feature_sets_and_prompt_files_are_named(tmp_path, complete_set):
 @pytest.mark.slow  # ~20 s; the library path it calls is tested above
 def test_cli_writes_a_feature_set(tmp_path):
   prompts = tmp_path / "prompts.jsonl"
-  prompts.write_text("".join(json.dumps({"id": i, "turns": [p]}) + "\n"
-                             for i, p in enumerate(PROMPTS[:2])))
+  # --max_per_source=1 keeps one of the three "math" prompts and the "chat" one
+  sources = ["math", "chat", "math", "math"]
+  prompts.write_text("".join(json.dumps({"id": i, "source": s, "turns": [p]}) + "\n"
+                             for i, (s, p) in enumerate(zip(sources, PROMPTS))))
   out, cache = tmp_path / "set", tmp_path / "xla"
   proc = subprocess.run(
       [sys.executable, "-m", "launch.gen_data", f"--prompts={prompts}", f"--out={out}",
        "--max_new_tokens=4", "--batch_size=2", "--shard_size=1", "--max_len=128",
-       f"--jax_cache={cache}"],
+       "--max_per_source=1", f"--jax_cache={cache}"],
       capture_output=True, text=True, timeout=300,
       cwd=os.path.dirname(os.path.dirname(__file__)))
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert data.completed_shards(out) == [0, 1]
   got, meta = rows(out)
   assert meta["prompts_file"] == "prompts.jsonl" and len(got) == 2
+  assert meta["max_per_source"] == 1 and meta["num_file_prompts"] == 2
+  with open(out / "mix.json") as f:
+    assert json.load(f)["by_source"] == {"chat": 1, "math": 1}
   # The generation loop and the feature forward are kept for a resumed or repeated run.
   kept = sorted(os.listdir(cache))
   assert any("ar_loop" in name for name in kept), kept

@@ -52,6 +52,19 @@ def test_clean_prompts_counts_and_keeps_order():
   assert kept == [0, 1, 2, 4, 5] and counts["duplicates_dropped"] == 0
 
 
+def test_cap_per_source_keeps_small_sources_whole_and_a_seeded_part_of_large_ones():
+  sources = ["gsm8k"] * 10 + ["alpaca"] * 3 + ["gsm8k"] * 5 + ["seed"]
+  kept = prompt_mix.cap_per_source(sources, 4, seed=0)
+  assert kept == sorted(kept) and len(set(kept)) == len(kept)
+  assert [sources[i] for i in kept].count("gsm8k") == 4
+  assert {10, 11, 12, 18} <= set(kept)  # every alpaca and the seed prompt
+  assert kept == prompt_mix.cap_per_source(sources, 4, seed=0)
+  assert kept != prompt_mix.cap_per_source(sources, 4, seed=1)
+  assert prompt_mix.cap_per_source(sources, 20, seed=0) == list(range(len(sources)))
+  with pytest.raises(ValueError, match=">= 1"):
+    prompt_mix.cap_per_source(sources, 0, seed=0)
+
+
 def test_steering_plan_and_passages():
   plan = prompt_mix.steering_plan(12, ("code", "qa", "summarisation"), seed=4)
   assert [k for k, _ in plan] == ["code", "qa", "summarisation"] * 4

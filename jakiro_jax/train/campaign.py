@@ -14,27 +14,33 @@ import subprocess
 import sys
 import time
 
-# Sizes of a campaign. prompts: file prompts used; self_prompts: prompts the target writes
+# Sizes of a campaign. prompts: file prompts used (after max_per_source, which keeps at
+# most that many of any one source, 0 = all); self_prompts: prompts the target writes
 # itself (steered to every kind of task); samples: sampled answers per prompt beside the
 # greedy one; train_steps 0: train_epochs over the set; eval_questions / eval_new_tokens:
 # per evaluation file.
 SCALES = {
     # The end-to-end test: a few minutes of this CPU.
-    "tiny": dict(prompts=4, self_prompts=0, samples=0, max_new_tokens=8, max_len=256,
-                 batch_size=4, shard_size=4, fixed_shapes=False, train_steps=2,
+    "tiny": dict(prompts=4, max_per_source=0, self_prompts=0, samples=0, max_new_tokens=8,
+                 max_len=256, batch_size=4, shard_size=4, fixed_shapes=False, train_steps=2,
                  train_epochs=0.0, eval_questions=1, eval_new_tokens=8, temperatures="0"),
-    # Hours of a 2-core CPU (SmolLM2-135M): broad prompts, ~6,000 conversations.
-    "cpu": dict(prompts=3000, self_prompts=1500, samples=1, max_new_tokens=192,
-                max_len=1024, batch_size=32, shard_size=256, fixed_shapes=False,
-                train_steps=0, train_epochs=2.0, eval_questions=5, eval_new_tokens=96,
-                temperatures="0,1"),
+    # About two hours of a 2-core CPU (SmolLM2-135M, three methods): every file source but
+    # GSM8K whole, 150 GSM8K prompts and 300 self-written ones (~1,400 conversations).
+    "cpu": dict(prompts=100_000, max_per_source=150, self_prompts=300, samples=0,
+                max_new_tokens=160, max_len=768, batch_size=32, shard_size=128,
+                fixed_shapes=False, train_steps=0, train_epochs=2.0, eval_questions=5,
+                eval_new_tokens=96, temperatures="0,1"),
     # One H100 or H200, two calls of under 10 minutes (data, then training + evaluation):
-    # >= 20,000 conversations, one compiled generation loop (a compilation takes a minute).
-    "gpu": dict(prompts=12000, self_prompts=4000, samples=1, max_new_tokens=192,
-                max_len=1024, batch_size=256, shard_size=2048, fixed_shapes=True,
-                train_steps=0, train_epochs=2.0, eval_questions=3, eval_new_tokens=96,
-                temperatures="0,1"),
+    # >= 20,000 conversations (7,478 prompts x 3 answers), one compiled generation loop
+    # (a compilation takes a minute).
+    "gpu": dict(prompts=100_000, max_per_source=2500, self_prompts=4000, samples=2,
+                max_new_tokens=192, max_len=1024, batch_size=256, shard_size=2048,
+                fixed_shapes=True, train_steps=0, train_epochs=2.0, eval_questions=3,
+                eval_new_tokens=96, temperatures="0,1"),
 }
+# A campaign's draft replaces the shipped one when its pooled tau is higher at every
+# temperature and its gsm8k tau is not lower by more than this fraction.
+GSM8K_TOLERANCE = 0.03
 SELF_PROMPT_KINDS = "code,qa,summarisation,extraction,reasoning,writing"
 STATE_FILE = "campaign.json"
 RESULTS_FILE = "results.json"
@@ -84,9 +90,11 @@ def data_dir_name(feature_layers) -> str:
 
 def plan(config: str, prompts: str, questions: list[str], out: str, sizes: dict,
          feature_layers: dict[str, tuple[int, ...]], target_name: str, warm_start: bool,
-         jax_cache: str = "auto") -> list[Step]:
+         jax_cache: str = "auto", compare_shipped: bool = False) -> list[Step]:
   """The campaign's steps in order. `feature_layers`: {method: the target streams it
-  trains on} (`distill_data.feature_layers_for`): one feature set per distinct tuple."""
+  trains on} (`distill_data.feature_layers_for`): one feature set per distinct tuple.
+  `compare_shipped`: the methods with a shipped draft for the target are evaluated with it
+  too (OUT/eval_shipped), on the same questions."""
   py = [sys.executable, "-m"]
   methods = list(feature_layers)
   data_sets = {m: os.path.join(out, data_dir_name(feature_layers[m])) for m in methods}
@@ -99,6 +107,8 @@ def plan(config: str, prompts: str, questions: list[str], out: str, sizes: dict,
         f"--max_len={sizes['max_len']}", f"--batch_size={sizes['batch_size']}",
         f"--shard_size={sizes['shard_size']}", f"--samples_per_prompt={sizes['samples']}",
         f"--exclude_questions={','.join(questions)}", f"--jax_cache={jax_cache}"]
+    if sizes["max_per_source"]:
+      command.append(f"--max_per_source={sizes['max_per_source']}")
     if sizes["self_prompts"]:
       command += [f"--self_prompts={sizes['self_prompts']}",
                   f"--self_prompt_kinds={SELF_PROMPT_KINDS}"]
@@ -120,12 +130,20 @@ def plan(config: str, prompts: str, questions: list[str], out: str, sizes: dict,
       command.append(f"--config.init_draft={shipped}")
     steps.append(Step(f"train:{method}", command,
                       done_when=os.path.join(run_dir, "draft", "draft.json")))
+  def evaluation(methods, out_name, drafts=None):
+    return py + ["launch.eval_suite", f"--config={config}", f"--methods={','.join(methods)}",
+                 *([f"--drafts={','.join(drafts)}"] if drafts else []),
+                 f"--questions={','.join(questions)}",
+                 f"--temperatures={sizes['temperatures']}",
+                 f"--max_questions={sizes['eval_questions']}",
+                 f"--max_new_tokens={sizes['eval_new_tokens']}",
+                 f"--out={os.path.join(out, out_name)}"]
+
   drafts = [os.path.join(out, "train", m, "draft") for m in methods]
-  steps.append(Step("eval", py + [
-      "launch.eval_suite", f"--config={config}", f"--methods={','.join(methods)}",
-      f"--drafts={','.join(drafts)}", f"--questions={','.join(questions)}",
-      f"--temperatures={sizes['temperatures']}", f"--max_questions={sizes['eval_questions']}",
-      f"--max_new_tokens={sizes['eval_new_tokens']}", f"--out={os.path.join(out, 'eval')}"]))
+  steps.append(Step("eval", evaluation(methods, "eval", drafts)))
+  shipped = [m for m in methods if _shipped(f"{target_name}-{m}")]
+  if compare_shipped and shipped:
+    steps.append(Step("eval:shipped", evaluation(shipped, "eval_shipped")))
   return steps
 
 
@@ -189,11 +207,11 @@ def copy_drafts(out: str, methods: list[str], target_name: str, max_file_bytes: 
   return written
 
 
-def gather_results(out: str, methods: list[str]) -> dict:
+def gather_results(out: str, methods: list[str], eval_dir: str = "eval") -> dict:
   """{method: {T: {"tau": pooled, "per_file": {file: tau}, "speedups": {file: speedup},
-  ...}}} from the evaluation's result files."""
+  ...}}} from the result files in OUT/`eval_dir`."""
   results: dict = {}
-  for path in sorted(glob.glob(os.path.join(out, "eval", "*_T*_*.json"))):
+  for path in sorted(glob.glob(os.path.join(out, eval_dir, "*_T*_*.json"))):
     with open(path) as f:
       record = json.load(f)
     method = record.get("method")
@@ -227,3 +245,28 @@ def load_state(out: str) -> dict:
 def save_state(out: str, state: dict) -> None:
   from jakiro_jax.atomic_dir import write_json
   write_json(os.path.join(out, STATE_FILE), state)
+
+
+def verdicts(trained: dict, shipped: dict, tolerance: float = GSM8K_TOLERANCE) -> dict:
+  """{method: {"replace": bool, "why": str}} for the methods evaluated both ways
+  (`gather_results` of OUT/eval and OUT/eval_shipped): a trained draft replaces the shipped
+  one when its pooled tau is higher at every temperature and its gsm8k tau (where
+  evaluated) is not lower by more than `tolerance` of the shipped one's."""
+  out = {}
+  for method in sorted(set(trained) & set(shipped)):
+    temperatures = sorted(set(trained[method]) & set(shipped[method]))
+    reasons = []
+    for t in temperatures:
+      new, old = trained[method][t], shipped[method][t]
+      if new["tau"] is None or old["tau"] is None or new["tau"] <= old["tau"]:
+        reasons.append(f"T={t}: pooled tau {new['tau']} <= shipped {old['tau']}")
+      new_gsm8k, old_gsm8k = new["per_file"].get("gsm8k"), old["per_file"].get("gsm8k")
+      if new_gsm8k is not None and old_gsm8k and new_gsm8k < (1 - tolerance) * old_gsm8k:
+        reasons.append(f"T={t}: gsm8k tau {new_gsm8k:.2f} < {1 - tolerance:g} x shipped "
+                       f"{old_gsm8k:.2f}")
+    if not temperatures:
+      reasons.append("no temperature evaluated both ways")
+    out[method] = {"replace": not reasons, "why": "; ".join(reasons) or "higher pooled tau "
+                   "at every temperature, gsm8k within tolerance"}
+  return out
+

@@ -179,3 +179,20 @@ def wrap_passage(kind: str, passage: str, choice: int) -> str:
 
 def mix_counts(sources: Sequence[str]) -> dict[str, int]:
   return dict(sorted(Counter(sources).items()))
+
+
+def cap_per_source(sources: Sequence[str], cap: int, seed: int) -> list[int]:
+  """Indices (in file order) of the prompts kept when no source gives more than `cap`: a
+  source with more keeps a seeded random `cap` of them, so that one large source (e.g.
+  7,473 GSM8K prompts of 8,451) does not make the set one kind of task."""
+  if cap < 1:
+    raise ValueError(f"the cap per source must be >= 1, got {cap}")
+  by_source: dict[str, list[int]] = defaultdict(list)
+  for i, source in enumerate(sources):
+    by_source[source].append(i)
+  rng = np.random.default_rng(seed)
+  kept = []
+  for source in sorted(by_source):
+    members = by_source[source]
+    kept += members if len(members) <= cap else list(rng.choice(members, cap, replace=False))
+  return sorted(int(i) for i in kept)
