@@ -68,6 +68,48 @@ def test_platforms():
     aot.platform("h100", 12)
 
 
+def test_device_names_are_answered_with_every_valid_one():
+  # Not a TPU slice of any kind: the GPUs and every family's sizes are named.
+  with pytest.raises(ValueError, match=r"unknown device 'h800': give h100 or h200") as e:
+    aot.platform("h800")
+  for family in ("v4-N with N in [8, 16", "v5e-N with N in [1, 4, 8", "v6e-N", "v5p-N"):
+    assert family in str(e.value)
+  # Every size a message offers compiles (a single chip too: libtpu's default host is 2x2).
+  for name in ("v5e-1", "v6e-1"):
+    one = aot.platform(name)
+    assert (one.num_devices, one.label) == (1, f"{name} ({name[:3]}:1x1)")
+  with pytest.raises(ValueError, match=r"v5e slices have \[1, 4, 8"):
+    aot.platform("v5e-3")
+
+
+def test_the_h100s_memory_is_its_descriptions():
+  import re
+  size = int(re.search(r"device_memory_size: (\d+)", aot.h100_description()).group(1))
+  assert aot.PEAKS["h100"]["hbm_bytes"] == size == 84_978_434_048
+
+
+def test_a_program_whose_arguments_exceed_the_device_is_refused_before_compiling(
+    monkeypatch):
+  platform = aot.platform("v5e:2x2")
+  mesh = tensor_mesh(platform)
+  program = programs.forward_program(tiny(), mesh, 1, 1, 256)
+  needed = program.argument_bytes()
+  hand = max(sharding.bytes_per_device(
+      program.args, jax.tree.map(lambda x: x.sharding, program.args)).values())
+  assert needed == hand > 0
+  monkeypatch.setitem(aot.PEAKS, "v5e", dict(aot.PEAKS["v5e"], hbm_bytes=needed - 1))
+
+  def no_compilation(*_):
+    raise AssertionError("compiled a program that cannot fit")
+
+  monkeypatch.setattr(programs.Program, "lower", no_compilation)
+  row = cr.compile_row(cr.Job("ar_step b1", "ar_step", lambda: program), platform)
+  assert row["status"] == "does not fit" and row["over_bytes"] == 1
+  assert row["arguments_bytes"] == needed and "memory" not in row
+  line = cr.one_line(row, platform)
+  assert line.startswith("does not fit on v5e-4") and "its arguments alone need" in line
+
+
 def test_ar_step_memory_and_collectives_per_layer(platform):
   """Two all-reduces per layer under tensor parallelism (attention out, MLP down), the
   step's arguments exactly the weights and cache each device holds, and it fits."""

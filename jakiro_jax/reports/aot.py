@@ -33,9 +33,11 @@ from typing import Any, Mapping
 PEAKS: dict[str, dict[str, Any]] = {
     "h100": dict(
         name="NVIDIA H100 SXM5 80GB", bf16_flops=989.4e12, hbm_bw=3.35e12,
-        hbm_bytes=80 * 10**9, link_bw=450e9, launch_s=4e-6, graph_node_s=1e-6,
+        hbm_bytes=84_978_434_048, link_bw=450e9, launch_s=4e-6, graph_node_s=1e-6,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 1,979 TFLOPS bf16 with "
-               "sparsity = 989 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s both ways); "
+               "sparsity = 989 dense, 3.35 TB/s HBM3, NVLink 900 GB/s both ways); "
+               "hbm_bytes: the shipped device description's device_memory_size (what "
+               "the compiler plans against); "
                "launch_s, graph_node_s: our round figures for a host launch (a few us) "
                "and for the gap between kernels of a CUDA graph (about 1 us), until a "
                "device measures them"),
@@ -157,17 +159,34 @@ def tpu_topology_name(slice_name: str) -> str:
     return slice_name
   match = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", slice_name)
   if not match:
-    raise ValueError(f"TPU slice {slice_name!r} is neither a slice name such as v5e-8, "
-                     f"v5p-64, v6e-256, v4-8 nor a topology such as v5e:2x4")
+    raise ValueError(f"unknown device {slice_name!r}: {valid_devices()}")
   kind, size = match.group(1), int(match.group(2))
   if kind in ("v4", "v5p"):
     if size % 2 or size // 2 not in _TPU_3D:
       raise ValueError(f"{slice_name}: {kind} slices count TensorCores (2 per chip): one "
-                       f"of {[2 * c for c in _TPU_3D]}")
+                       f"of {slice_sizes(kind)}")
     return f"{kind}:{_TPU_3D[size // 2]}"
   if size not in _TPU_2D:
-    raise ValueError(f"{slice_name}: {kind} slices have {sorted(_TPU_2D)} chips")
+    raise ValueError(f"{slice_name}: {kind} slices have {slice_sizes(kind)} chips")
   return f"{kind}:{_TPU_2D[size]}"
+
+
+def slice_sizes(kind: str) -> list[int]:
+  """The slice sizes `tpu_topology_name` takes for a TPU kind (v4 / v5p: TensorCores)."""
+  return [2 * c for c in _TPU_3D] if kind in ("v4", "v5p") else sorted(_TPU_2D)
+
+
+def valid_devices() -> str:
+  """Every device name the compile report takes, in one line."""
+  slices = "; ".join(f"{kind}-N with N in {slice_sizes(kind)}" for kind in TPU_KINDS)
+  return (f"give {' or '.join(GPU_KINDS)} (with --devices: 1 to {GPUS_PER_HOST} GPUs or "
+          f"whole hosts of {GPUS_PER_HOST}), a TPU slice ({slices}) or a TPU topology "
+          f"such as v5e:2x4")
+
+
+def _libtpu_installed() -> bool:
+  import importlib.util
+  return importlib.util.find_spec("libtpu") is not None
 
 
 def h100_description() -> str:
@@ -210,13 +229,18 @@ def platform(device: str, devices: int = 1, log_path: str | None = None) -> Plat
   # default is one device per core, which JAX's meshes refuse.
   chip = ({"chip_config_name": "megacore"} if name.split(":")[0] in ("v4", "v5p")
           else {})
+  if name.split(":")[1] == "1x1":  # one chip: libtpu's default host is 2x2 chips
+    chip["chips_per_host_bounds"] = [1, 1, 1]
+  if not _libtpu_installed():
+    raise AotUnavailable(f"compiling for {device} needs libtpu: install it with "
+                         f"`pip install -e \".[aot]\"`")
   try:
     with quiet_native_stderr(log_path):
       topo = topologies.get_topology_desc(topology_name=name, platform="tpu", **chip)
   except Exception as e:  # noqa: BLE001
-    raise AotUnavailable(
-        f"cannot make compile-only TPU devices for {name} ({type(e).__name__}: {e}); "
-        f"install libtpu with `pip install -e \".[aot]\"`") from None
+    raise ValueError(f"libtpu makes no compile-only devices for {name} "
+                     f"({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); "
+                     f"{valid_devices()}") from None
   label = device if ":" not in device else f"{name.split(':')[0]}-{len(topo.devices)}"
   return Platform(name.split(":")[0], f"{label} ({name})", name, tuple(topo.devices))
 

@@ -229,6 +229,13 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
   started = time.perf_counter()
   program = job.build()
   row = {"key": job.key, "kind": job.kind, "program": program.name, **program.info}
+  arguments = program.argument_bytes()
+  if arguments > platform.peaks["hbm_bytes"]:  # refused before a compilation of minutes
+    return dict(row, status="does not fit", arguments_bytes=arguments,
+                hbm_bytes=platform.peaks["hbm_bytes"],
+                over_bytes=arguments - platform.peaks["hbm_bytes"],
+                error=f"its arguments alone need {_gib(arguments)} GiB per device (not "
+                      f"compiled)", compile_s=time.perf_counter() - started)
   try:
     with aot.quiet_native_stderr(log_path):
       compiled = program.lower(vocab_blocks).compile()
@@ -398,7 +405,9 @@ def one_line(row: Mapping, platform: aot.Platform) -> str:
   if row["status"] == "does not fit" and "memory" not in row:
     over = row.get("over_bytes")
     return (f"does not fit on {platform.label}"
-            + (f": {_gib(over)} GiB over HBM" if over else f" ({row.get('error', '')})"))
+            + (f": {_gib(over)} GiB over HBM" if over else "")
+            + (f" ({row['error']})" if row.get("error") and (
+                not over or "arguments_bytes" in row) else ""))
   memory = row["memory"]
   verdict = ("fits" if row["status"] == "fits"
              else f"DOES NOT FIT: {_gib(row['over_bytes'])} GiB over")

@@ -78,6 +78,12 @@ class Program:
     kept = [x for path, x in leaves if not lookup_only(path)]
     return max(sharding.bytes_per_device(kept, [x.sharding for x in kept]).values())
 
+  def argument_bytes(self) -> int:
+    """Bytes per device of all the arguments (the most any device holds): a program
+    whose arguments alone exceed the device's memory cannot fit, whatever it computes."""
+    leaves = jax.tree.leaves(self.args)
+    return max(sharding.bytes_per_device(leaves, [x.sharding for x in leaves]).values())
+
   def weight_shapes(self) -> set[tuple[int, ...]]:
     if self.weights is None:
       return set()

@@ -24,11 +24,11 @@ SCALES = {
     "tiny": dict(prompts=4, max_per_source=0, self_prompts=0, samples=0, max_new_tokens=8,
                  max_len=256, batch_size=4, shard_size=4, fixed_shapes=False, train_steps=2,
                  train_epochs=0.0, eval_questions=1, eval_new_tokens=8, temperatures="0"),
-    # About two hours of a 2-core CPU (SmolLM2-135M, three methods): every file source but
-    # GSM8K whole, 150 GSM8K prompts and 300 self-written ones (~1,400 conversations).
-    "cpu": dict(prompts=100_000, max_per_source=150, self_prompts=300, samples=0,
-                max_new_tokens=160, max_len=768, batch_size=32, shard_size=128,
-                fixed_shapes=False, train_steps=0, train_epochs=2.0, eval_questions=5,
+    # About 90 minutes of a 2-core CPU (SmolLM2-135M, three methods): at most 100 prompts
+    # of each file source (GSM8K's 7,473 among them) and 192 self-written ones (~870).
+    "cpu": dict(prompts=100_000, max_per_source=100, self_prompts=192, samples=0,
+                max_new_tokens=128, max_len=768, batch_size=32, shard_size=128,
+                fixed_shapes=False, train_steps=0, train_epochs=3.0, eval_questions=5,
                 eval_new_tokens=96, temperatures="0,1"),
     # One H100 or H200, two calls of under 10 minutes (data, then training + evaluation):
     # >= 20,000 conversations (7,478 prompts x 3 answers), one compiled generation loop
