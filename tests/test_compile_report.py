@@ -348,6 +348,24 @@ ENTRY %main (table: bf16[1000,64], ids: s32[4], cache: bf16[100,64], at: s32[], 
   assert aot.hbm_bytes(text) == expected
 
 
+def test_a_slice_from_device_memory_onto_the_chip_counts_its_read():
+  """TPU: a layer of the stacked cache sliced into on-chip memory (S(1)) is read from HBM
+  once; a slice of an on-chip array moves nothing; a slice within HBM reads and writes."""
+  text = """HloModule m
+
+ENTRY %main (cache: bf16[4,100,64], w: bf16[64,64]) -> bf16[100,64] {
+  %cache = bf16[4,100,64]{2,1,0} parameter(0)
+  %w = bf16[64,64]{1,0} parameter(1)
+  %layer = bf16[1,100,64]{2,1,0:S(1)} slice(%cache), slice={[1:2], [0:100], [0:64]}
+  %rows = bf16[1,10,64]{2,1,0} slice(%layer), slice={[0:1], [0:10], [0:64]}
+  %hbm = bf16[1,100,64]{2,1,0} slice(%cache), slice={[2:3], [0:100], [0:64]}
+  ROOT %out = bf16[100,64]{1,0} bitcast(%hbm)
+}
+"""
+  layer = 100 * 64 * 2
+  assert aot.hbm_bytes(text) == layer + 10 * 64 * 2 + 2 * layer
+
+
 def test_report_command_writes_and_resumes(tmp_path):
   """The report over a config.json on v5e:2x2: one row per program, rows kept on a
   rerun, a projection per round, and a program that cannot fit says so in one line."""
@@ -545,3 +563,4 @@ def test_round_with_a_draft_vocabulary_reads_its_rows_not_the_head():
   assert moved[0] - moved[1024] >= 0.8 * saved, (moved, saved)
   lookup = cr.method_drafter("lookup", "config", config, {}, draft_vocab=1024)
   assert not getattr(lookup, "draft_vocab", ())  # no head: the option does not apply
+

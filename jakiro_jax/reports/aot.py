@@ -655,8 +655,9 @@ class _Traffic:
       return reads + self.fused_writes(ins.called[0], ins)
     if ins.opcode == "custom-call" and f'name = "{_STACKED_KV_KERNEL}"' in ins.text:
       return self._stacked_kv_kernel(computation, ins)
-    if ins.opcode in _PARTIAL_READ:
-      return 2 * _hbm(ins.arrays)
+    if ins.opcode in _PARTIAL_READ:  # reads what it takes from its operand, writes it
+      taken = sum(n for n, _ in ins.arrays)
+      return taken * (self.operand(computation, ins.operands[0]) > 0) + _hbm(ins.arrays)
     if ins.opcode in _IN_PLACE:
       return 2 * self.operand(computation, ins.operands[_IN_PLACE[ins.opcode]])
     results = ins.arrays
@@ -691,7 +692,9 @@ def hbm_bytes(text: str) -> int:
     read and written back (a cache write);
   - TPU: a weight prefetched into on-chip memory (`copy-start` / `slice-start` to S(1))
     counts once, as the read from HBM it is, and kernels reading it there count nothing;
-    XLA's counter counts it up to five times and a sliced prefetch its whole operand.
+    XLA's counter counts it up to five times and a sliced prefetch its whole operand;
+    a plain slice from HBM into on-chip memory (one layer of a stacked cache) counts
+    its read.
   `analyze_hlo` reports the same count as "bytes_moved"."""
   return _Traffic(parse_hlo(text)).total()
 
