@@ -124,6 +124,11 @@ def test_a_trained_draft_replaces_the_shipped_one_only_when_better_everywhere():
   assert got["eagle2"]["replace"]
   assert not got["jakiro"]["replace"] and "T=1: pooled tau" in got["jakiro"]["why"]
   assert not got["gumiho"]["replace"] and "T=0: gsm8k tau 3.30" in got["gumiho"]["why"]
+  # Pooled over other files (an evaluation that stopped early) is no comparison.
+  partial = {"eagle2": {t: {"tau": e["tau"], "per_file": {"gsm8k": e["per_file"]["gsm8k"]}}
+                        for t, e in trained["eagle2"].items()}}
+  got = campaign.verdicts(partial, shipped)
+  assert not got["eagle2"]["replace"] and "other files" in got["eagle2"]["why"]
 
 
 def _campaign(*args, **kwargs):

@@ -258,6 +258,10 @@ def verdicts(trained: dict, shipped: dict, tolerance: float = GSM8K_TOLERANCE) -
     reasons = []
     for t in temperatures:
       new, old = trained[method][t], shipped[method][t]
+      if set(new["per_file"]) != set(old["per_file"]):
+        reasons.append(f"T={t}: evaluated on other files ({sorted(new['per_file'])} "
+                       f"against {sorted(old['per_file'])})")
+        continue
       if new["tau"] is None or old["tau"] is None or new["tau"] <= old["tau"]:
         reasons.append(f"T={t}: pooled tau {new['tau']} <= shipped {old['tau']}")
       new_gsm8k, old_gsm8k = new["per_file"].get("gsm8k"), old["per_file"].get("gsm8k")
