@@ -24,7 +24,8 @@ SCALES = {
     "tiny": dict(prompts=4, max_per_source=0, self_prompts=0, samples=0, max_new_tokens=8,
                  max_len=256, batch_size=4, shard_size=4, fixed_shapes=False, train_steps=2,
                  train_epochs=0.0, eval_questions=1, eval_new_tokens=8, temperatures="0"),
-    # About 90 minutes of a 2-core CPU (SmolLM2-135M, three methods): at most 100 prompts
+    # About three hours of a 2-core CPU (SmolLM2-135M, three methods; data 1 h, training
+    # 1 h, the two evaluations 1 h or more): at most 100 prompts
     # of each file source (GSM8K's 7,473 among them) and 192 self-written ones (~870).
     "cpu": dict(prompts=100_000, max_per_source=100, self_prompts=192, samples=0,
                 max_new_tokens=128, max_len=768, batch_size=32, shard_size=128,
