@@ -75,19 +75,22 @@ class Program:
     def lookup_only(path: str) -> bool:
       return "['embed_tokens']" in path and path.split("['embed_tokens']")[0] in heads
 
-    kept = [x for path, x in leaves if not lookup_only(path)]
-    return max(sharding.bytes_per_device(kept, [x.sharding for x in kept]).values())
+    return _most_per_device([x for path, x in leaves if not lookup_only(path)])
 
   def argument_bytes(self) -> int:
     """Bytes per device of all the arguments (the most any device holds): a program
     whose arguments alone exceed the device's memory cannot fit, whatever it computes."""
-    leaves = jax.tree.leaves(self.args)
-    return max(sharding.bytes_per_device(leaves, [x.sharding for x in leaves]).values())
+    return _most_per_device(jax.tree.leaves(self.args))
 
   def weight_shapes(self) -> set[tuple[int, ...]]:
     if self.weights is None:
       return set()
     return {tuple(x.shape) for x in jax.tree.leaves(self.weights) if len(x.shape) >= 2}
+
+
+def _most_per_device(leaves) -> int:
+  """The most bytes any device holds of these placed ShapeDtypeStructs."""
+  return max(sharding.bytes_per_device(leaves, [x.sharding for x in leaves]).values())
 
 
 def placed(abstract, shardings):
