@@ -214,14 +214,19 @@ _PROGRAM_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def tracing_for(shardings):
-  """Within: tracing a program whose arguments are placed by the pytree `shardings`. On one
-  device the GPU attention kernel may run; over several it is traced out (GSPMD does not
-  partition a Pallas call) and `whole_features` constrains activations on their mesh."""
+  """Within: tracing a program whose arguments are placed by the pytree `shardings`. The
+  GPU attention kernel may run: on one device as it is, over a mesh on each device's share
+  of a cache placed by `cache_shardings` (GSPMD does not partition a Pallas call; without
+  a mesh it is traced out), and `whole_features` constrains activations on their mesh."""
   one = single_device(shardings)
   meshes = [s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)]
-  token = _PROGRAM_MESH.set(None if one or not meshes else meshes[0])
+  mesh = None if one or not meshes else meshes[0]
+  token = _PROGRAM_MESH.set(mesh)
+  placed = (tree_attention.fused_tree_attention(one) if mesh is None else
+            tree_attention.fused_tree_attention(
+                True, mesh, lambda shape: logical_sharding(CACHE_KV_AXES, shape, mesh).spec))
   try:
-    with tree_attention.fused_tree_attention(one):
+    with placed:
       yield
   finally:
     _PROGRAM_MESH.reset(token)

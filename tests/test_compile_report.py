@@ -468,13 +468,15 @@ def test_pruned_prefill_flops_follow_the_schedule(platform):
   tokens, batch and cache) and its FLOPs fall by about the schedule's block FLOPs ratio;
   ShortGPT's (one block of two removed) by half. The weights are the same, so are the
   arguments; ShortGPT holds a block fewer."""
-  config, length = tiny(2), 256
+  # A cache longer than the prompt, as generation's: the prefill's attention is then
+  # XLA's (whose FLOPs the counter sees), not the GPU kernel's.
+  config, length, slots = tiny(2), 256, 384
   mesh = tensor_mesh(platform)
   schedule = uniform_schedule(config.num_layers, 0.3)  # (0, 0.6)
-  built = {"dense": programs.prefill_program(config, mesh, 1, length, length),
-           "ftp": programs.pruned_prefill_program(config, mesh, 1, length, length,
+  built = {"dense": programs.prefill_program(config, mesh, 1, length, slots),
+           "ftp": programs.pruned_prefill_program(config, mesh, 1, length, slots,
                                                   schedule),
-           "shortgpt": programs.shortgpt_prefill_program(config, mesh, 1, length, length,
+           "shortgpt": programs.shortgpt_prefill_program(config, mesh, 1, length, slots,
                                                          0.3)}
   flops, memory = {}, {}
   for name, program in built.items():
@@ -485,7 +487,7 @@ def test_pruned_prefill_flops_follow_the_schedule(platform):
   assert built["ftp"].info["flops_ratio"] == expected
   assert built["ftp"].info["kept"] == [256, 103]
   assert flops["ftp"] / flops["dense"] == pytest.approx(expected, abs=0.03)
-  assert built["shortgpt"].info == dict(batch=1, tokens=length, cache_slots=length,
+  assert built["shortgpt"].info == dict(batch=1, tokens=length, cache_slots=slots,
                                         sparsity=0.3, removed_layers=1, flops_ratio=0.5)
   assert flops["shortgpt"] / flops["dense"] == pytest.approx(0.5, abs=0.03)
   assert memory["ftp"]["arguments"] == memory["dense"]["arguments"]
@@ -564,3 +566,45 @@ def test_round_with_a_draft_vocabulary_reads_its_rows_not_the_head():
   lookup = cr.method_drafter("lookup", "config", config, {}, draft_vocab=1024)
   assert not getattr(lookup, "draft_vocab", ())  # no head: the option does not apply
 
+
+
+@pytest.mark.parametrize("method", ["eagle2", "gumiho"])
+def test_a_rounds_must_read_floor_counts_each_draft_step(method):
+  """The round's floor that counts passes (`Program.must_read_bytes`): the draft's layer
+  once per draft forward, the head once per use (the verify's, and each draft step's),
+  the target's weights and cache once (one verify forward), beside the inputs-once floor;
+  a decode step's is that floor and the embedding row it looks up. Traced only."""
+  from jakiro_jax.reports import reads
+  plat = aot.platform("v5e:2x2", 1)
+  mesh = sharding.make_mesh((1, 1, plat.num_devices), devices=plat.devices)
+  config = tiny()
+  step = programs.forward_program(config, mesh, 1, 1, 256)
+  row = config.hidden_size * 2  # one bf16 embedding row, replicated
+  assert step.floor_bytes() < step.must_read_bytes() <= step.floor_bytes() + 2 * row
+  drafter = cr.method_drafter(method, "papers", config, {})
+  program = programs.round_program(config, drafter, mesh, 1, 32, 256)
+  names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(
+      program.args)]
+  passes = dict(zip(names, reads.argument_reads(program.trace().jaxpr)))
+  forwards = drafter.draft_forwards_per_round()
+  # arguments: (loop state, target, draft, budgets, key)
+  draft_layer = {n: p for n, p in passes.items()
+                 if n.startswith("[2]") and "['layers_0']" in n and "norm" not in n}
+  assert draft_layer and set(draft_layer.values()) == {float(forwards)}, draft_layer
+  target = {n: p for n, p in passes.items() if n.startswith("[1]") and "['layers_" in n
+            and "norm" not in n}
+  assert set(target.values()) == {1.0}, target
+  # Caches: the target's once (and the accepted path's few slots moved), the draft's once
+  # per draft forward.
+  caches = {n: p for n, p in passes.items() if n.endswith(".k") or n.endswith(".v")}
+  assert 1.0 <= caches["[0].target_cache.k"] < 1.5, caches
+  assert forwards <= caches["[0].draft_cache.k"] < forwards + 0.5, caches
+  head_uses = passes["[1]['params']['lm_head']"]
+  # the verify's, each draft forward's, and Gumiho's MLP heads' (all in one product)
+  assert head_uses == 1 + forwards + (method == "gumiho"), passes
+  # Per device: the floor plus every pass past the first over the draft and the head.
+  per_device = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # noqa
+  leaves = dict(zip(names, jax.tree.leaves(program.args)))
+  extra = sum((passes[n] - 1) * per_device(leaves[n]) for n in list(draft_layer)
+              + ["[1]['params']['lm_head']"])
+  assert program.must_read_bytes() >= program.floor_bytes() + extra > program.floor_bytes()

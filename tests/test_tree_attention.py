@@ -1,6 +1,7 @@
 """The GPU attention kernel for a few tokens over the cache (`models/tree_attention.py`):
 the same numbers as the XLA expression (Pallas's interpreter here), used only where it
-applies, in a one-H100 program and never in a program sharded over devices."""
+applies, in a one-H100 program and in one over several H100s (each device's batch rows and
+kv heads, under shard_map)."""
 
 from jakiro_jax.reports import aot  # first: the compile-only environment
 
@@ -137,20 +138,34 @@ def _verify_hlo(devices: int, kernel: bool = True) -> str:
     return program.fn.lower(*program.args).compile().as_text()
 
 
-def test_one_h100_verify_uses_the_kernel_and_two_do_not():
+def test_verify_uses_the_kernel_on_one_h100_and_on_several():
   kernel = 'custom_call_target="__gpu$xla.gpu.triton"'
   one = _verify_hlo(1)
   # 2 kv heads x 2 blocks of 32 of the 64 rows: 4 programs, so the slots are split and a
   # second kernel combines the parts, in each layer
   assert tree_attention.slot_splits(4, 512) == 4
   assert one.count(kernel) == 2 * CONFIG.num_layers
-  assert programs.forward_program(  # Program.lower decides as generate does
-      CONFIG, sharding.make_mesh((1, 1, 2), devices=aot.platform("h100", 2).devices),
-      1, 16, 512).lower().compile().as_text().count(kernel) == 0
   # The scores stay on chip: at least their f32 write and read a layer less.
   scores = CONFIG.num_heads * 16 * 512 * 4
   saved = aot.hbm_bytes(_verify_hlo(1, kernel=False)) - aot.hbm_bytes(one)
   assert saved >= 2 * scores * CONFIG.num_layers, saved
+  # Over 2 H100s (a kv head each; `Program.lower` decides as generate does), and over 4
+  # with the batch's 2 rows split too: the kernel runs on each device's share, and each
+  # device's scores (half the heads) stay on chip.
+  for sizes, batch in (((1, 1, 2), 1), ((2, 1, 2), 2)):
+    gpu = aot.platform("h100", sizes[0] * sizes[2])
+    mesh = sharding.make_mesh(sizes, devices=gpu.devices)
+    with aot.quiet_native_stderr():
+      split = programs.forward_program(CONFIG, mesh, batch, 16, 512).lower().compile()
+      # As traced before: activations constrained on the mesh, XLA's attention.
+      program = programs.forward_program(CONFIG, mesh, batch, 16, 512)
+      with (sharding.tracing_for([x.sharding for x in jax.tree.leaves(program.args)]),
+            tree_attention.fused_tree_attention(False)):
+        plain = program.fn.lower(*program.args).compile().as_text()
+      split = split.as_text()
+    assert split.count(kernel) == 2 * CONFIG.num_layers, sizes
+    saved = aot.hbm_bytes(plain) - aot.hbm_bytes(split)
+    assert saved >= 2 * (scores // 2) * CONFIG.num_layers, (sizes, saved)
 
 
 def test_device_report_check_of_the_kernel(monkeypatch):
@@ -166,3 +181,44 @@ def test_device_report_check_of_the_kernel(monkeypatch):
   assert tree_attention.slot_splits(CONFIG.num_kv_heads, 256) == 2
   row = device_report.tree_attention_check(CONFIG, 256, tokens=1)
   assert 0 < row["max_abs_output"] and row["max_abs_diff"] < 0.05, row
+
+
+_SHARDED_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from jakiro_jax import sharding
+from jakiro_jax.models import tree_attention
+import tests.test_tree_attention as t
+q, keys, values, mask = t.inputs(2, 12, 2, 3, 64, 256)
+stack = lambda x: jnp.stack([x * 0.5, x])
+want = tree_attention.kernel_attention(q, stack(keys), stack(values), mask, layer=1,
+                                       interpret=True)
+for sizes in ((2, 1, 2), (1, 1, 4), (4, 1, 1)):
+  mesh = sharding.make_mesh(sizes)
+  spec = sharding.logical_sharding(sharding.CACHE_KV_AXES, (2,) + keys.shape, mesh).spec
+  got = jax.jit(lambda *a: tree_attention.sharded_kernel_attention(
+      *a, layer=1, mesh=mesh, cache_spec=spec, interpret=True))(
+          q, stack(keys), stack(values), mask)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  print(sizes, tuple(spec))
+"""
+
+
+def test_kernel_on_each_devices_share_equals_it_whole():
+  """The kernel under shard_map on 4 CPU devices (Pallas's interpreter): batch rows and kv
+  heads split (2 x 2), kv heads not dividing 4 (kept whole: every device all of it), rows
+  split 4 ways with 2 rows (kept whole): the same output as one call on everything."""
+  import os
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+  done = subprocess.run([sys.executable, "-c", _SHARDED_CHECK], cwd=repo, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split("\n")[:3] == [  # the caches' placements, as `cache_shardings`
+      "(2, 1, 2) (None, ('data', 'fsdp'), 'tensor')",
+      "(1, 1, 4) (None, ('data', 'fsdp'))",  # 2 kv heads on 4: whole
+      "(4, 1, 1) (None, None, 'tensor')"], done.stdout  # 2 rows on 4: whole

@@ -17,8 +17,10 @@ it takes seven (compile report).
 Used where it pays and is exact enough: lowered for CUDA only (`lax.platform_dependent`;
 every other platform, and CPU tests, run the XLA expression), bf16 / f16 inputs (fp32 runs
 keep XLA's dots at full precision), G x T <= `MAX_ROWS`, S a multiple of
-`BLOCK_S`. A Pallas call is not partitioned by GSPMD, so callers that shard heads over
-devices turn it off (`fused_tree_attention(False)`); it is a single-device kernel.
+`BLOCK_S`. GSPMD does not partition a Pallas call, so a program over several devices
+(`fused_tree_attention(True, mesh, cache_spec)`, which `sharding.tracing_for` sets) runs it
+under `shard_map` on each device's batch rows and kv heads, as its cache is placed: the
+kernel is per (batch row, kv head), so the shares need nothing from each other.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 try:  # Pallas's Triton backend; where this JAX lacks it, XLA's attention runs everywhere
   from jax.experimental import pallas as pl
@@ -57,22 +60,37 @@ SPLIT_PROGRAMS = 128  # ... among enough programs to reach about this many (132 
 
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("fused_tree_attention",
                                                                 default=True)
+# (mesh, cache_spec) of a program traced over several devices, else None.
+_mesh: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("tree_attention_mesh",
+                                                                    default=None)
 
 
 @contextlib.contextmanager
-def fused_tree_attention(enabled: bool):
-  """Within: whether tracing may use the kernel (off for programs sharded over devices)."""
-  token = _enabled.set(bool(enabled))
+def fused_tree_attention(enabled: bool, mesh=None, cache_spec=None):
+  """Within: whether tracing may use the kernel, and for a program over several devices
+  its `mesh` and `cache_spec(shape) -> PartitionSpec`, how a stacked cache `[L, B, K, S, H]`
+  of that shape is placed on it (the kernel then runs on each device's share)."""
+  if (mesh is None) != (cache_spec is None):
+    raise ValueError("fused_tree_attention: a mesh needs its cache_spec, and the reverse")
+  tokens = _enabled.set(bool(enabled)), _mesh.set(None if mesh is None
+                                                   else (mesh, cache_spec))
   try:
     yield
   finally:
-    _enabled.reset(token)
+    _mesh.reset(tokens[1])
+    _enabled.reset(tokens[0])
+
+
+def program_placement():
+  """(mesh, cache_spec) of the program being traced over several devices
+  (`fused_tree_attention`'s), else None."""
+  return _mesh.get()
 
 
 def one_device_program() -> bool:
   """Whether the program being traced runs on one device, as far as this module knows:
-  false within `fused_tree_attention(False)`, which programs sharded over devices set."""
-  return _enabled.get()
+  false within `fused_tree_attention(False)` or over a mesh."""
+  return _enabled.get() and _mesh.get() is None
 
 
 def _rows_padded(rows: int) -> int:
@@ -219,6 +237,22 @@ def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
   return out[:, :, :g * t].reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
 
 
+def sharded_kernel_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                             mask: jax.Array, layer: int | None, mesh, cache_spec,
+                             interpret: bool = False) -> jax.Array:
+  """`kernel_attention` on each device of `mesh` for its batch rows and kv heads: the
+  caches (stacked `[L, B, K, S, H]` or one layer's `[B, K, S, H]`) split as `cache_spec`
+  (a PartitionSpec of the stacked shape) splits them, q `[B, T, K, G, H]` and its output
+  alike, the mask `[B, T, S]` by rows. Layers, slots and head dim stay whole."""
+  spec = tuple(cache_spec) + (None,) * (5 - len(cache_spec))
+  rows, heads = spec[1], spec[2]
+  q_spec = P(rows, None, heads, None, None)
+  kv_spec = P(None, rows, heads, None, None) if k_cache.ndim == 5 else P(rows, heads)
+  run = functools.partial(kernel_attention, layer=layer, interpret=interpret)
+  return jax.shard_map(run, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(rows)),
+                       out_specs=q_spec, check_vma=False)(q, k_cache, v_cache, mask)
+
+
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
               mask: jax.Array, xla_attention) -> jax.Array:
   """Layer `layer` of the stacked caches `[L, B, K, S, H]` attended by q `[B, T, K, G, H]`
@@ -232,9 +266,15 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
   if not applies(q, k_cache, mask):
     return plain(q, k_cache, v_cache, mask)
 
+  placed = _mesh.get()
+
   @jax.custom_vjp
   def fused(q, k_cache, v_cache, mask):
-    return kernel_attention(q, k_cache, v_cache, mask, layer)
+    if placed is None:
+      return kernel_attention(q, k_cache, v_cache, mask, layer)
+    mesh, cache_spec = placed
+    return sharded_kernel_attention(q, k_cache, v_cache, mask, layer, mesh,
+                                    cache_spec(k_cache.shape))
 
   def forward(q, k_cache, v_cache, mask):
     return fused(q, k_cache, v_cache, mask), (q, k_cache, v_cache, mask)

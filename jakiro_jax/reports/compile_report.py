@@ -238,7 +238,8 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
                       f"compiled)", compile_s=time.perf_counter() - started)
   try:
     with aot.quiet_native_stderr(log_path):
-      compiled = program.lower(vocab_blocks).compile()
+      traced = program.trace(vocab_blocks)
+      compiled = traced.lower().compile()
   except Exception as e:  # noqa: BLE001 - a compiler error is this row's result
     message = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
     row.update(status="error", error=f"{type(e).__name__}: {message}",
@@ -271,6 +272,8 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
       hbm_bytes=peaks["hbm_bytes"], over_bytes=max(0, memory["peak"] - peaks["hbm_bytes"]),
       flops=cost["flops"], bytes=cost["bytes"], bytes_moved=moved,
       bytes_floor=program.floor_bytes(), hlo=hlo,
+      # a loop's passes would count its body once: the floor of its step is the step's
+      bytes_must_read=None if looped else program.must_read_bytes(traced=traced),
       kernels_per_step=kernels if platform.is_gpu else None,
       launches_per_step=launches if platform.is_gpu else None,
       roofline=aot.roofline_s(cost["flops"], moved, launches if platform.is_gpu else 0,
@@ -278,6 +281,10 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
   if looped:
     row["roofline"]["note"] = "loop: flops and bytes count the prefill and one loop body"
   return row
+
+
+def _gb(count: int | None) -> str:
+  return "-" if count is None else f"{count / 1e9:.2f}"
 
 
 def projections(rows: Sequence[Mapping], tau: Mapping | None = None) -> list[dict]:
@@ -441,19 +448,21 @@ def markdown(report: Mapping) -> str:
       "(the roofline uses it); XLA counter: XLA's own count, which counts gathered "
       "tables whole, in-place updates as whole buffers and, on TPUs, weights prefetched "
       "on chip up to five times; floor: every argument read once, embedding tables not "
-      "(the hand count). Launches: host launches per step under XLA's default command "
-      "buffers.",
+      "(the hand count); must read: each argument as many times as the computation "
+      "passes over it (a round's head and draft layer once per draft step, its caches "
+      "once per forward; not for loops). Launches: host launches per step under XLA's "
+      "default command buffers.",
       "",
       "| program | fits | peak GiB / device | args | temp | GFLOP | GB moved | XLA counter "
-      "| floor | roofline ms | bound | collectives (outside loop) | in loop body | "
+      "| floor | must read | roofline ms | bound | collectives (outside loop) | in loop body | "
       "kernels / step | launches / step |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in report["rows"]:
     if "memory" not in r:
       lines.append(f"| {r['key']} | {r['status']}: {r.get('error', '')} "
                    f"{'' if not r.get('over_bytes') else _gib(r['over_bytes']) + ' GiB over'}"
-                   f" ||||||||||||||")
+                   f" |||||||||||||||")
       continue
     m, h, roof = r["memory"], r["hlo"], r["roofline"]
     kernels, launches = r.get("kernels_per_step"), r.get("launches_per_step")
@@ -461,7 +470,8 @@ def markdown(report: Mapping) -> str:
         f"| {r['key']} | {'yes' if r['status'] == 'fits' else 'NO, ' + _gib(r['over_bytes']) + ' GiB over'} "
         f"| {_gib(m['peak'])} | {_gib(m['arguments'])} | {_gib(m['temporaries'])} "
         f"| {r['flops'] / 1e9:.1f} | {r['bytes_moved'] / 1e9:.2f} | {r['bytes'] / 1e9:.2f} "
-        f"| {r['bytes_floor'] / 1e9:.2f} | {roof['roofline_s'] * 1e3:.3f} "
+        f"| {r['bytes_floor'] / 1e9:.2f} | {_gb(r.get('bytes_must_read'))} "
+        f"| {roof['roofline_s'] * 1e3:.3f} "
         f"| {roof['bound']} | {_collectives(h['collectives'])} "
         f"| {_collectives(h['collectives_in_loop'])} | {'-' if kernels is None else kernels} "
         f"| {'-' if launches is None else launches} |")

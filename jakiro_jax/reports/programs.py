@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jakiro_jax import sharding
+from jakiro_jax.reports import reads
 from jakiro_jax.speculative.drafter import TargetHead
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, init_params, new_cache
@@ -58,24 +59,50 @@ class Program:
   def lower(self, blocks: int = VOCAB_BLOCKS):
     """Traced as on the accelerator it is compiled for (`blocks`: the drafts' top-k
     blocks there; `sharding.tracing_for` as `jit_with_shardings` traces: the GPU attention
-    kernel only on one device, the activation constraints over several)."""
+    kernel on each device's share, the activation constraints over several devices)."""
+    return self.trace(blocks).lower()
+
+  def trace(self, blocks: int = VOCAB_BLOCKS):
+    """`jax.jit(...).trace` in the setting `lower` uses (the same jaxpr it lowers)."""
     shardings = [x.sharding for x in jax.tree.leaves(self.args)]
     with vocab_blocks(blocks), sharding.tracing_for(shardings):
-      return self.fn.lower(*self.args)
+      return self.fn.trace(*self.args)
+
+  def must_read_bytes(self, blocks: int = VOCAB_BLOCKS, traced=None) -> int:
+    """The floor that counts passes: bytes per device of each argument times the passes
+    its computation must make over it (`reads.argument_reads`: a round's head and draft
+    layer once per draft step, its caches once per forward), and at least once as in
+    `floor_bytes`; `traced`: this program's `trace`, if done. For a decode step it is
+    `floor_bytes` and the embedding rows it looks up."""
+    leaves = jax.tree.leaves(self.args)
+    passes = reads.argument_reads((traced or self.trace(blocks)).jaxpr)
+    if len(passes) != len(leaves):
+      raise ValueError(f"{self.name}: its jaxpr has {len(passes)} inputs for "
+                       f"{len(leaves)} arguments")
+    once = self._read_once()
+    per_device: dict[int, float] = {}
+    for x, n, whole in zip(leaves, passes, once):
+      shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+      for device in x.sharding.device_set:
+        per_device[device.id] = per_device.get(device.id, 0) + shard * max(n, float(whole))
+    return int(max(per_device.values()))
+
+  def _read_once(self) -> list[bool]:
+    """Per argument leaf: whether the inputs-once floor counts it (all but the embedding
+    tables that a lookup only takes rows of)."""
+    leaves = [jax.tree_util.keystr(path)
+              for path, _ in jax.tree_util.tree_leaves_with_path(self.args)]
+    heads = {path.split("['lm_head']")[0] for path in leaves if "['lm_head']" in path}
+    return [not ("['embed_tokens']" in path and path.split("['embed_tokens']")[0] in heads)
+            for path in leaves]
 
   def floor_bytes(self) -> int:
     """The hand count: bytes per device of every argument read once (weights, caches,
     inputs), less the embedding tables, of which a lookup reads only its rows (a table
     tied to the output head stays: the head reads all of it). A forward over a few
     tokens cannot move less."""
-    leaves = [(jax.tree_util.keystr(path), x)
-              for path, x in jax.tree_util.tree_leaves_with_path(self.args)]
-    heads = {path.split("['lm_head']")[0] for path, _ in leaves if "['lm_head']" in path}
-
-    def lookup_only(path: str) -> bool:
-      return "['embed_tokens']" in path and path.split("['embed_tokens']")[0] in heads
-
-    return _most_per_device([x for path, x in leaves if not lookup_only(path)])
+    return _most_per_device([x for x, once in zip(jax.tree.leaves(self.args),
+                                                  self._read_once()) if once])
 
   def argument_bytes(self) -> int:
     """Bytes per device of all the arguments (the most any device holds): a program
