@@ -608,3 +608,41 @@ def test_a_rounds_must_read_floor_counts_each_draft_step(method):
   extra = sum((passes[n] - 1) * per_device(leaves[n]) for n in list(draft_layer)
               + ["[1]['params']['lm_head']"])
   assert program.must_read_bytes() >= program.floor_bytes() + extra > program.floor_bytes()
+
+
+def _cache_relayouts(program, cache_bytes_per_device: int) -> list[str]:
+  """Copies and transposes (kernels or fusions named for them) that move at least the
+  per-device K cache. A `copy-start` into on-chip memory, XLA holding a small cache on
+  chip in its own layout, is not one."""
+  with aot.quiet_native_stderr():
+    text = program.lower().compile().as_text()
+  module = aot.parse_hlo(text)
+  traffic = aot._Traffic(module)
+  return [f"{ins.opcode} {ins.name}" for comp in module.control(module.entry)
+          for ins in module.computations[comp]
+          if (ins.opcode in ("copy", "transpose") or ins.opcode == "fusion" and (
+              "copy" in ins.name or "transpose" in ins.name))
+          and traffic.kernel(comp, ins) >= cache_bytes_per_device]
+
+
+@pytest.mark.parametrize("program_name", ["ar_step", "round"])
+def test_batched_tpu_step_and_round_write_the_cache_in_place(program_name):
+  """At batch 8 on a TPU (v5e:2x2, head dim 64: the cache is laid out slots-minor) no
+  kernel copies the stacked K or V cache: one scatter over the batch made XLA copy both
+  to another layout and back around each write (this test failed then), where a row's
+  block written at its own slot stays in place. The step moves within 1.10x its floor."""
+  plat = aot.platform("v5e:2x2", 1)
+  mesh = sharding.make_mesh((1, 1, plat.num_devices), devices=plat.devices)
+  config = tiny(4).replace(num_kv_heads=4, head_dim=64)
+  if program_name == "ar_step":
+    program = programs.forward_program(config, mesh, 8, 1, 1024)
+  else:
+    drafter = cr.method_drafter("eagle2", "config", config, {})
+    program = programs.round_program(config, drafter, mesh, 8, 32, 1024)
+  cache = config.num_layers * 8 * config.num_kv_heads * 1024 * config.head_dim * 2
+  copies = _cache_relayouts(program, cache // plat.num_devices)
+  assert not copies, copies
+  if program_name == "ar_step":
+    with aot.quiet_native_stderr():
+      moved = aot.hbm_bytes(program.lower().compile().as_text())
+    assert moved <= 1.10 * program.floor_bytes(), (moved, program.floor_bytes())

@@ -15,9 +15,12 @@ prefill also records per layer which prompt slots were skipped (`skipped`).
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 @flax.struct.dataclass
@@ -77,3 +80,23 @@ def tree_mask(lengths: jax.Array, ancestor: jax.Array, max_len: int) -> jax.Arra
       ancestor, jnp.broadcast_to(node[:, None, :], ancestor.shape[:2] + (max_len,)),
       axis=2)  # [B, N, S]
   return in_prefix[:, None, :] | (in_tree[:, None, :] & sees_node)
+
+
+def on_row_shares(fn: Callable, k: jax.Array, v: jax.Array, lengths: jax.Array, *rest,
+                  rest_axes: Sequence[Sequence[str | None]] = ()):
+  """`fn(k, v, lengths, *rest) -> (k, v)` on stacked caches `[L, B, K, S, H]`, run on each
+  device's batch rows and kv heads (under `shard_map`, the caches placed as the traced
+  program's mesh places them: `tree_attention.program_placement`), else as it is. Each of
+  `rest` names its axes in `rest_axes` ("rows", "heads" or None), e.g. new K `[B, T, K, H]`
+  as ("rows", None, "heads", None). For writes that a partitioner would not keep on the
+  shard that holds them (a row's block at its own slot)."""
+  from jakiro_jax.models import tree_attention
+  placed = tree_attention.program_placement()
+  if placed is None:
+    return fn(k, v, lengths, *rest)
+  mesh, cache_spec = placed
+  kv = cache_spec(k.shape)
+  axes = dict(zip(("layers", "rows", "heads"), tuple(kv) + (None,) * 3))
+  rest_specs = tuple(P(*(axes[a] if a else None for a in names)) for names in rest_axes)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(kv, kv, P(axes["rows"])) + rest_specs,
+                       out_specs=(kv, kv), check_vma=False)(k, v, lengths, *rest)

@@ -18,6 +18,7 @@ slots `cache.lengths + t`, positions are only used by RoPE.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -29,7 +30,7 @@ from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
                                      rope_inverse_frequencies)
 from jakiro_jax.kernels import small_rows
 from jakiro_jax.models import tree_attention
-from jakiro_jax.models.kv_cache import KVCache
+from jakiro_jax.models.kv_cache import KVCache, on_row_shares
 
 _INIT_STDDEV = 0.02  # HF initializer_range default
 
@@ -197,7 +198,12 @@ def write_kv(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array,
   one block `[K, T, H]` at `lengths[0]`, written as a dynamic-update-slice: in place, and on
   GPUs one kernel each for K and V where the scatter takes two (a gather of the old values
   that an out-of-range slot keeps, then the write). The block past S would be dropped here
-  too: the cache's last T slots are rewritten as they were in that case."""
+  too: the cache's last T slots are rewritten as they were in that case.
+
+  Several rows on a TPU are written the same way, row by row (`_write_rows`): a TPU lays
+  a cache whose head dim is under 128 lanes out slots-minor, and one scatter over the
+  batch wants another layout, so XLA copied the whole stacked cache there and back every
+  forward. Elsewhere several rows are one scatter (on a GPU, B blocks would be B kernels)."""
   k_new, v_new = k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype)
   if contiguous and k_new.shape[0] == 1:
     start = cache.lengths[0]
@@ -210,10 +216,33 @@ def write_kv(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array,
           stacked, jnp.where(fits, new, jax.lax.dynamic_slice(stacked, at, new.shape)), at)
 
     return update(cache.k, k_new), update(cache.v, v_new)
-  rows = jnp.arange(k_new.shape[0])[:, None]
-  # [B, T] indices around the heads slice: the update is [B, T, K, H], as computed.
-  return (cache.k.at[layer, rows, :, slots].set(k_new, mode="drop"),
-          cache.v.at[layer, rows, :, slots].set(v_new, mode="drop"))
+
+  def scatter(k, v, lengths, k_new, v_new):
+    del lengths  # the slots say where
+    rows = jnp.arange(k_new.shape[0])[:, None]
+    # [B, T] indices around the heads slice: the update is [B, T, K, H], as computed.
+    return (k.at[layer, rows, :, slots].set(k_new, mode="drop"),
+            v.at[layer, rows, :, slots].set(v_new, mode="drop"))
+
+  if not contiguous:
+    return scatter(cache.k, cache.v, None, k_new, v_new)
+  new_axes = ("rows", None, "heads", None)
+  by_rows = functools.partial(on_row_shares, functools.partial(_write_rows, layer=layer),
+                              rest_axes=(new_axes, new_axes))
+  return jax.lax.platform_dependent(cache.k, cache.v, cache.lengths, k_new, v_new,
+                                    tpu=by_rows, default=scatter)
+
+
+def _write_rows(k, v, lengths, k_new, v_new, layer: int):
+  """`write_kv`'s contiguous blocks, one dynamic-update-slice per row and per cache, in
+  place. A block is not read back first (that read is what made XLA lay the cache out
+  anew), so one past slot S would be clamped onto the last slots where the scatter drops
+  it: the loops size their caches to hold every write (`batching.prepare_batch`)."""
+  for row in range(k_new.shape[0]):
+    at = (layer, row, 0, lengths[row], 0)
+    k = jax.lax.dynamic_update_slice(k, k_new[row].swapaxes(0, 1)[None, None], at)
+    v = jax.lax.dynamic_update_slice(v, v_new[row].swapaxes(0, 1)[None, None], at)
+  return k, v
 
 
 class Attention(nn.Module):
@@ -273,11 +302,17 @@ class Attention(nn.Module):
       mask = mask & (key_positions[:, None, :] > positions[:, :, None] - window)
 
     cache = cache.replace(k=k_all, v=v_all)
-    if return_probs:
+    if return_probs or (seen == x.shape[1] and write is None):
       keys = k_all[self.layer, :, :, :seen]  # [B, K, S', H]
       values = v_all[self.layer, :, :, :seen]
+      if seen == x.shape[1] and write is None:
+        # A prefill into an empty cache: its first S' = T slots are this call's K / V,
+        # taken as computed (read back from a TPU's slots-minor cache, XLA wrote the
+        # prefill's f32 scores to memory, 5x the bytes of a batch-8 prefill).
+        keys, values = (new.astype(k_all.dtype).swapaxes(1, 2) for new in (k_new, v_new))
       probs = attention_probs(q, keys, mask, hd).astype(values.dtype)
-      return self._output(attention_values(probs, values)), cache, probs
+      out = self._output(attention_values(probs, values))
+      return (out, cache, probs) if return_probs else (out, cache)
     # Layer `self.layer`'s first S' slots (a GPU kernel takes the stacked cache whole).
     out = tree_attention.attention(q, k_all, v_all, self.layer, mask, xla_attention)
     return self._output(out), cache

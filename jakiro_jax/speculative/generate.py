@@ -136,7 +136,7 @@ def speculative_round(s: SpecState, target_params, draft_params, budgets: jax.Ar
                                         s.target_cache, sampling, round_rng)
   active = ~s.done
   advance = jnp.where(active, result.accept_len + 1, 0)
-  cache = commit_path(cache, result.path, advance)
+  cache = commit_path(cache, result.path, advance, tree.tokens.shape[1])
 
   # New tokens: the accepted drafted ones, then the bonus; they also pair with the
   # path's target features as the draft's next context.

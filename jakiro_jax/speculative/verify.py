@@ -15,11 +15,13 @@ the argmax, and the bonus is the argmax at the deepest accepted node.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.models.kv_cache import KVCache
+from jakiro_jax.models.kv_cache import KVCache, on_row_shares
 from jakiro_jax.speculative.sampling import SamplingConfig, target_probs
 from jakiro_jax.speculative.tree import Tree
 
@@ -96,22 +98,55 @@ def _sampling_walk(tree: Tree, logits: jax.Array, sampling: SamplingConfig, rng:
   return current, bonus
 
 
-def commit_path(cache: KVCache, path: jax.Array, advance: jax.Array) -> KVCache:
+def commit_path(cache: KVCache, path: jax.Array, advance: jax.Array,
+                num_nodes: int | None = None) -> KVCache:
   """Moves K/V of the path nodes (written at `lengths + node`) to `lengths + 0..W-1`.
 
   Then `lengths += advance` (accepted + 1 for active rows, 0 for finished ones).
-  Slots past the new length are left as scratch for the next round.
+  Slots past the new length are left as scratch for the next round. `num_nodes`: the
+  verified tree's N (path nodes are below it), which lets a TPU move each row's path
+  within its N slots (`_commit_rows`).
   """
   if cache.batch == 1:
     return _commit_path_one_row(cache, path, advance)
-  rows = jnp.arange(cache.batch)[:, None]
-  offsets = jnp.arange(path.shape[1], dtype=jnp.int32)[None]
-  source = cache.lengths[:, None] + path
-  dest = cache.lengths[:, None] + offsets
-  # [B, W] indices around the heads slice: gathered and written as [B, W, L, K, H].
-  k = cache.k.at[:, rows, :, dest].set(cache.k[:, rows, :, source], mode="drop")
-  v = cache.v.at[:, rows, :, dest].set(cache.v[:, rows, :, source], mode="drop")
+
+  def scatter(k, v, lengths, path):
+    rows = jnp.arange(k.shape[1])[:, None]
+    offsets = jnp.arange(path.shape[1], dtype=jnp.int32)[None]
+    source = lengths[:, None] + path
+    dest = lengths[:, None] + offsets
+    # [B, W] indices around the heads slice: gathered and written as [B, W, L, K, H].
+    return (k.at[:, rows, :, dest].set(k[:, rows, :, source], mode="drop"),
+            v.at[:, rows, :, dest].set(v[:, rows, :, source], mode="drop"))
+
+  if num_nodes is None:
+    k, v = scatter(cache.k, cache.v, cache.lengths, path)
+  else:
+    # On a TPU row by row, as `llama.write_kv` writes: one scatter over the batch made
+    # XLA copy the stacked caches to another layout and back.
+    rows = functools.partial(on_row_shares,
+                             functools.partial(_commit_rows, num_nodes=num_nodes),
+                             rest_axes=(("rows", None),))
+    k, v = jax.lax.platform_dependent(cache.k, cache.v, cache.lengths, path, tpu=rows,
+                                      default=scatter)
   return cache.replace(k=k, v=v, lengths=cache.lengths + advance)
+
+
+def _commit_rows(k, v, lengths, path, num_nodes: int):
+  """`commit_path`'s move for each row: the row's N tree slots read as one block, its
+  path's W picked from them and written back as one block at `lengths[b]`, in place. A
+  gather over the whole cache would want it in another layout; the loops size the cache
+  to hold a round's tree (`batching.prepare_batch`), so no block is clamped."""
+  for row in range(k.shape[1]):
+
+    def move(stacked):  # [L, B, K, S, H]
+      at = (0, row, 0, lengths[row], 0)
+      size = stacked.shape[:1] + (1,) + stacked.shape[2:3] + (num_nodes,) + stacked.shape[4:]
+      nodes = jax.lax.dynamic_slice(stacked, at, size)  # [L, 1, K, N, H]
+      return jax.lax.dynamic_update_slice(stacked, jnp.take(nodes, path[row], axis=3), at)
+
+    k, v = move(k), move(v)
+  return k, v
 
 
 def _commit_path_one_row(cache: KVCache, path: jax.Array, advance: jax.Array) -> KVCache:
