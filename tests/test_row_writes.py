@@ -4,10 +4,6 @@ platforms run one scatter: both give the same caches, on one device and on each 
 rows and kv heads of a mesh (`kv_cache.on_row_shares`). The compile-only TPU programs that
 use them are in test_compile_report.py; here the functions run on the CPU directly."""
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +11,7 @@ import numpy as np
 from jakiro_jax.models import llama
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.speculative import verify
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cpu_devices import run_on_cpu_devices
 
 
 def _cache(batch=4, layers=3, kv=2, slots=64, head_dim=8):
@@ -84,13 +79,8 @@ for sizes in ((2, 1, 2), (1, 1, 4), (4, 1, 1)):
 def test_row_writes_on_each_devices_share_of_a_mesh():
   """4 CPU devices: rows and kv heads split 2 x 2; kv heads on 4 (2 heads: whole); rows on
   4 with 4 rows (split). The writes equal the one-device ones."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-  done = subprocess.run([sys.executable, "-c", _ON_A_MESH], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert done.stdout.split("\n")[:3] == [
+  lines = run_on_cpu_devices(_ON_A_MESH)
+  assert lines[:3] == [
       "(2, 1, 2) (None, ('data', 'fsdp'), 'tensor')",
       "(1, 1, 4) (None, ('data', 'fsdp'))",
-      "(4, 1, 1) (None, ('data', 'fsdp'), 'tensor')"], done.stdout
+      "(4, 1, 1) (None, ('data', 'fsdp'), 'tensor')"], lines

@@ -15,6 +15,7 @@ from jakiro_jax.models import tree_attention  # noqa: E402
 from jakiro_jax.models.config import LlamaConfig  # noqa: E402
 from jakiro_jax.models.llama import xla_attention  # noqa: E402
 from jakiro_jax.reports import programs  # noqa: E402
+from cpu_devices import run_on_cpu_devices  # noqa: E402
 
 
 def inputs(batch, tokens, kv, groups, head_dim, slots, dtype=jnp.bfloat16, seed=0):
@@ -208,17 +209,8 @@ def test_kernel_on_each_devices_share_equals_it_whole():
   """The kernel under shard_map on 4 CPU devices (Pallas's interpreter): batch rows and kv
   heads split (2 x 2), kv heads not dividing 4 (kept whole: every device all of it), rows
   split 4 ways with 2 rows (kept whole): the same output as one call on everything."""
-  import os
-  import subprocess
-  import sys
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-  done = subprocess.run([sys.executable, "-c", _SHARDED_CHECK], cwd=repo, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert done.stdout.split("\n")[:3] == [  # the caches' placements, as `cache_shardings`
+  lines = run_on_cpu_devices(_SHARDED_CHECK)
+  assert lines[:3] == [  # the caches' placements, as `cache_shardings`
       "(2, 1, 2) (None, ('data', 'fsdp'), 'tensor')",
       "(1, 1, 4) (None, ('data', 'fsdp'))",  # 2 kv heads on 4: whole
-      "(4, 1, 1) (None, None, 'tensor')"], done.stdout  # 2 rows on 4: whole
+      "(4, 1, 1) (None, None, 'tensor')"], lines  # 2 rows on 4: whole
