@@ -387,6 +387,10 @@ def test_report_command_writes_and_resumes(tmp_path):
       projection["round_s"] / projection["ar_step_s"])
   assert projection["projected_speedup"] == pytest.approx(
       1.5 / projection["round_in_ar_steps"])
+  (round_row,) = [r for r in report["rows"] if r["program"] == "round"]
+  assert round_row["bytes_must_read"] >= round_row["bytes_floor"]
+  assert projection["moved_over_must_read"] == pytest.approx(
+      round_row["bytes_moved"] / round_row["bytes_must_read"])
   assert (tmp_path / "small" / "report.md").read_text().count(
       "| round lookup config b1 |") == 2
   lines.clear()

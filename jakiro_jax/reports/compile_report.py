@@ -304,7 +304,11 @@ def projections(rows: Sequence[Mapping], tau: Mapping | None = None) -> list[dic
                 "batch": r["batch"], "tree_nodes": r["tree_nodes"],
                 "round_s": r["roofline"]["roofline_s"], "ar_step_s": steps[r["batch"]],
                 "round_in_ar_steps": cost, "tau": known,
-                "projected_speedup": known / cost if known else None})
+                "projected_speedup": known / cost if known else None,
+                # how far the round is from what its steps must read (rows kept from
+                # reports without the count have none)
+                "moved_over_must_read": (r["bytes_moved"] / r["bytes_must_read"]
+                                         if r.get("bytes_must_read") else None)})
   return out
 
 
@@ -493,13 +497,14 @@ def markdown(report: Mapping) -> str:
     lines += ["", "Projection (roofline of a round / roofline of an AR step, same batch; "
               "speedup = the given tau / that cost):", "",
               "| round | nodes | round ms | AR step ms | round in AR steps | tau | "
-              "projected speedup |", "|---|---|---|---|---|---|---|"]
+              "projected speedup | GB moved / must read |", "|---|---|---|---|---|---|---|---|"]
     for x in report["projections"]:
       speed = "-" if x["projected_speedup"] is None else f"{x['projected_speedup']:.2f}x"
       tau = "-" if x["tau"] is None else f"{x['tau']:.2f}"
+      over = x.get("moved_over_must_read")
       lines.append(f"| {x['round']} | {x['tree_nodes']} | {x['round_s'] * 1e3:.3f} | "
                    f"{x['ar_step_s'] * 1e3:.3f} | {x['round_in_ar_steps']:.2f} | {tau} | "
-                   f"{speed} |")
+                   f"{speed} | {'-' if over is None else f'{over:.2f}'} |")
   if report.get("pruned_prefill"):
     lines += ["", "Pruned prefill (compiled figure / the dense prefill's, same tokens and "
               "batch; blocks FLOPs: the method's own count over the blocks alone):", "",
