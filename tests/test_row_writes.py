@@ -84,3 +84,21 @@ def test_row_writes_on_each_devices_share_of_a_mesh():
       "(2, 1, 2) (None, ('data', 'fsdp'), 'tensor')",
       "(1, 1, 4) (None, ('data', 'fsdp'))",
       "(4, 1, 1) (None, ('data', 'fsdp'), 'tensor')"], lines
+
+
+def test_a_large_batch_is_written_in_a_loop_with_the_same_result(monkeypatch):
+  """Past `UNROLLED_ROWS` the rows go through a fori_loop (a sampling test's thousands of
+  rows would be thousands of unrolled writes a layer): the same caches."""
+  from jakiro_jax.models import kv_cache
+  cache = _cache()
+  k_new = jax.random.normal(jax.random.PRNGKey(1), (4, 5, 2, 8))
+  path = jnp.array([[0, 2, 3], [0, 1, 4], [0, 3, 3], [0, 5, 1]])
+  unrolled = (llama._write_rows(cache.k, cache.v, cache.lengths, k_new, 2 * k_new, layer=1),
+              verify._commit_rows(cache.k, cache.v, cache.lengths, path, num_nodes=6))
+  monkeypatch.setattr(kv_cache, "UNROLLED_ROWS", 2)
+  looped = jax.jit(lambda: (
+      llama._write_rows(cache.k, cache.v, cache.lengths, k_new, 2 * k_new, layer=1),
+      verify._commit_rows(cache.k, cache.v, cache.lengths, path, num_nodes=6)))
+  assert "scan" in str(jax.make_jaxpr(looped)())  # fori_loop of static bounds
+  for a, b in zip(jax.tree.leaves(unrolled), jax.tree.leaves(looped())):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

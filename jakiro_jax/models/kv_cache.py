@@ -100,3 +100,18 @@ def on_row_shares(fn: Callable, k: jax.Array, v: jax.Array, lengths: jax.Array, 
   rest_specs = tuple(P(*(axes[a] if a else None for a in names)) for names in rest_axes)
   return jax.shard_map(fn, mesh=mesh, in_specs=(kv, kv, P(axes["rows"])) + rest_specs,
                        out_specs=(kv, kv), check_vma=False)(k, v, lengths, *rest)
+
+
+UNROLLED_ROWS = 64  # more rows go through a loop: an unrolled batch of thousands (a
+# sampling test's) is a program of thousands of writes a layer, traced on every platform
+
+
+def for_each_row(update: Callable, k: jax.Array, v: jax.Array):
+  """`update(row, k, v) -> (k, v)` for each batch row of the stacked caches `[L, B, ...]`:
+  unrolled up to `UNROLLED_ROWS` rows, else in a `fori_loop` (its row a traced index)."""
+  batch = k.shape[1]
+  if batch <= UNROLLED_ROWS:
+    for row in range(batch):
+      k, v = update(row, k, v)
+    return k, v
+  return jax.lax.fori_loop(0, batch, lambda row, kv: update(row, *kv), (k, v))

@@ -30,7 +30,7 @@ from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
                                      rope_inverse_frequencies)
 from jakiro_jax.kernels import small_rows
 from jakiro_jax.models import tree_attention
-from jakiro_jax.models.kv_cache import KVCache, on_row_shares
+from jakiro_jax.models.kv_cache import KVCache, for_each_row, on_row_shares
 
 _INIT_STDDEV = 0.02  # HF initializer_range default
 
@@ -238,11 +238,12 @@ def _write_rows(k, v, lengths, k_new, v_new, layer: int):
   place. A block is not read back first (that read is what made XLA lay the cache out
   anew), so one past slot S would be clamped onto the last slots where the scatter drops
   it: the loops size their caches to hold every write (`batching.prepare_batch`)."""
-  for row in range(k_new.shape[0]):
+  def update(row, k, v):
     at = (layer, row, 0, lengths[row], 0)
-    k = jax.lax.dynamic_update_slice(k, k_new[row].swapaxes(0, 1)[None, None], at)
-    v = jax.lax.dynamic_update_slice(v, v_new[row].swapaxes(0, 1)[None, None], at)
-  return k, v
+    return (jax.lax.dynamic_update_slice(k, k_new[row].swapaxes(0, 1)[None, None], at),
+            jax.lax.dynamic_update_slice(v, v_new[row].swapaxes(0, 1)[None, None], at))
+
+  return for_each_row(update, k, v)
 
 
 class Attention(nn.Module):

@@ -21,7 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax.models.kv_cache import KVCache, on_row_shares
+from jakiro_jax.models.kv_cache import KVCache, for_each_row, on_row_shares
 from jakiro_jax.speculative.sampling import SamplingConfig, target_probs
 from jakiro_jax.speculative.tree import Tree
 
@@ -137,7 +137,7 @@ def _commit_rows(k, v, lengths, path, num_nodes: int):
   path's W picked from them and written back as one block at `lengths[b]`, in place. A
   gather over the whole cache would want it in another layout; the loops size the cache
   to hold a round's tree (`batching.prepare_batch`), so no block is clamped."""
-  for row in range(k.shape[1]):
+  def update(row, k, v):
 
     def move(stacked):  # [L, B, K, S, H]
       at = (0, row, 0, lengths[row], 0)
@@ -145,8 +145,9 @@ def _commit_rows(k, v, lengths, path, num_nodes: int):
       nodes = jax.lax.dynamic_slice(stacked, at, size)  # [L, 1, K, N, H]
       return jax.lax.dynamic_update_slice(stacked, jnp.take(nodes, path[row], axis=3), at)
 
-    k, v = move(k), move(v)
-  return k, v
+    return move(k), move(v)
+
+  return for_each_row(update, k, v)
 
 
 def _commit_path_one_row(cache: KVCache, path: jax.Array, advance: jax.Array) -> KVCache:
