@@ -215,16 +215,20 @@ _PROGRAM_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def tracing_for(shardings):
   """Within: tracing a program whose arguments are placed by the pytree `shardings`. The
-  GPU attention kernel may run: on one device as it is, over a mesh on each device's share
-  of a cache placed by `cache_shardings` (GSPMD does not partition a Pallas call; without
-  a mesh it is traced out), and `whole_features` constrains activations on their mesh."""
+  attention kernels may run, told the devices' kind: on one device as they are, over a
+  mesh on each device's share of a cache placed by `cache_shardings` (GSPMD does not
+  partition a Pallas call; without a mesh it is traced out), and `whole_features`
+  constrains activations on their mesh."""
   one = single_device(shardings)
   meshes = [s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)]
   mesh = None if one or not meshes else meshes[0]
   token = _PROGRAM_MESH.set(mesh)
-  placed = (tree_attention.fused_tree_attention(one) if mesh is None else
+  placed_on = [s for s in jax.tree.leaves(shardings) if hasattr(s, "device_set")]
+  kind = next(iter(placed_on[0].device_set)).device_kind if placed_on else None
+  placed = (tree_attention.fused_tree_attention(one, device_kind=kind) if mesh is None else
             tree_attention.fused_tree_attention(
-                True, mesh, lambda shape: logical_sharding(CACHE_KV_AXES, shape, mesh).spec))
+                True, mesh, lambda shape: logical_sharding(CACHE_KV_AXES, shape, mesh).spec,
+                device_kind=kind))
   try:
     with placed:
       yield

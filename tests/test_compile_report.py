@@ -629,6 +629,20 @@ def _cache_relayouts(program, cache_bytes_per_device: int) -> list[str]:
           and traffic.kernel(comp, ins) >= cache_bytes_per_device]
 
 
+def test_a_one_row_round_on_a_v5p_moves_its_path_in_place():
+  """At batch 1 on a v5p-8 (two kv heads of 128 a chip) the round's path move gathered the
+  path's slots from the whole stacked cache, and XLA copied both caches to another layout
+  for it (this test failed then); moved as a batch's rows are, the cache stays in place."""
+  plat = aot.platform("v5p:2x2x1", 1)
+  mesh = sharding.make_mesh((1, 1, plat.num_devices), devices=plat.devices)
+  config = tiny(4).replace(num_heads=16, num_kv_heads=8, head_dim=128)
+  drafter = cr.method_drafter("eagle2", "config", config, {})
+  program = programs.round_program(config, drafter, mesh, 1, 32, 1024)
+  cache = config.num_layers * config.num_kv_heads * 1024 * config.head_dim * 2
+  copies = _cache_relayouts(program, cache // plat.num_devices)
+  assert not copies, copies
+
+
 @pytest.mark.parametrize("program_name", ["ar_step", "round"])
 def test_batched_tpu_step_and_round_write_the_cache_in_place(program_name):
   """At batch 8 on a TPU (v5e:2x2, head dim 64: the cache is laid out slots-minor) no

@@ -46,6 +46,21 @@ def test_row_by_row_path_moves_equal_the_scatter():
   np.testing.assert_array_equal(np.asarray(again.k), np.asarray(want.k))
 
 
+def test_one_rows_path_move_on_a_tpu_equals_the_gather():
+  """At batch 1 other platforms gather the path's slots from the whole cache (a v5p-8
+  copied both caches for that gather); a TPU moves the row's block as for a batch."""
+  for row in (1, 3):  # its tree at 7..12, and at 53..58 near the cache's end
+    cache = _cache()
+    cache = KVCache(k=cache.k[:, row:row + 1], v=cache.v[:, row:row + 1],
+                    lengths=cache.lengths[row:row + 1])
+    path = jnp.array([[0, 4, 5]])
+    want = verify.commit_path(cache, path, jnp.array([3]))  # the one-row gather
+    k, v = verify._commit_rows(cache.k, cache.v, cache.lengths, path, num_nodes=6)
+    np.testing.assert_array_equal(np.asarray(want.k), np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(want.v), np.asarray(v))
+    assert not np.array_equal(np.asarray(k), np.asarray(cache.k))
+
+
 _ON_A_MESH = """
 import functools
 import jax, jax.numpy as jnp, numpy as np

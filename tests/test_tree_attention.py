@@ -1,7 +1,7 @@
-"""The GPU attention kernel for a few tokens over the cache (`models/tree_attention.py`):
-the same numbers as the XLA expression (Pallas's interpreter here), used only where it
-applies, in a one-H100 program and in one over several H100s (each device's batch rows and
-kv heads, under shard_map)."""
+"""The GPU and TPU attention kernels for a few tokens over the cache
+(`models/tree_attention.py`): the same numbers as the XLA expression (Pallas's interpreter
+here), used only where they apply, in programs on one device and over several (each
+device's batch rows and kv heads, under shard_map)."""
 
 from jakiro_jax.reports import aot  # first: the compile-only environment
 
@@ -126,6 +126,82 @@ def test_on_the_cpu_and_under_grad_the_xla_expression_runs():
                                 np.asarray(jax.grad(loss(xla_attention, keys, values))(q)))
 
 
+@pytest.mark.parametrize("tokens,kv,groups,head_dim,slots", [
+    (12, 2, 3, 128, 512),   # rows padded 12 -> 16 a query head, one block of 512
+    (60, 1, 7, 128, 1024),  # Qwen2-7B's groups over the papers' tree, two blocks
+    (7, 1, 1, 256, 384)])   # a 256 head dim, one block of 384 slots
+def test_tpu_kernel_equals_the_xla_expression(tokens, kv, groups, head_dim, slots):
+  q, keys, values, mask = inputs(2, tokens, kv, groups, head_dim, slots)
+  stack = lambda x: jnp.stack([-x, x])  # noqa: E731  [2, B, K, S, H]
+  got = tree_attention.tpu_kernel_attention(q, stack(keys), stack(values), mask, layer=1,
+                                            interpret=True)
+  want = xla_attention(q, keys, values, mask)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=2e-2)
+  hidden = ~mask[0, 0]
+  moved = values.at[0, :, :, :].add(jnp.where(hidden[None, :, None], 100.0, 0.0).astype(
+      values.dtype))
+  again = tree_attention.tpu_kernel_attention(q, keys, moved, mask, interpret=True)
+  np.testing.assert_array_equal(np.asarray(again[0, 0]), np.asarray(got[0, 0]))
+
+
+def test_where_the_tpu_kernel_applies():
+  q, keys, _, mask = inputs(1, 12, 2, 3, 128, 640)
+  cache = keys[None]  # [L, B, K, S, H]
+  assert tree_attention.tpu_applies(q, cache, mask)
+  assert tree_attention.tpu_block(640) == 128 and tree_attention.tpu_block(2048) == 512
+  assert not tree_attention.tpu_applies(q[:, :1], cache, mask[:, :1])  # one decode token
+  assert not tree_attention.tpu_applies(q[..., :64], cache[..., :64], mask)  # slots-minor
+  assert not tree_attention.tpu_applies(q, cache[..., :600, :], mask[..., :600])
+  assert not tree_attention.tpu_applies(q, cache, mask[..., :128])  # a prefill's mask
+  assert not tree_attention.tpu_applies(q.astype(jnp.float32), cache.astype(jnp.float32),
+                                        mask)
+  assert not tree_attention.tpu_applies(jnp.zeros((1, 200, 2, 8, 128), jnp.bfloat16),
+                                        cache, jnp.ones((1, 200, 640), bool))  # 1600 rows
+  with tree_attention.fused_tree_attention(False):
+    assert not tree_attention.tpu_applies(q, cache, mask)
+  # Where XLA keeps the scores on chip: a v5e or v6e up to 32 MiB of them a device
+  big = jnp.zeros((8, 60, 1, 4, 128), jnp.bfloat16), jnp.zeros((1, 8, 1, 2048, 128),
+                                                               jnp.bfloat16)
+  big_mask = jnp.ones((8, 60, 2048), bool)  # 15.7 MB of fp32 scores
+  for kind, used in (("TPU v5 lite", False), ("TPU v6 lite", False), ("TPU v5", True)):
+    with tree_attention.fused_tree_attention(True, device_kind=kind):
+      assert tree_attention.tpu_applies(*big, big_mask) == used, kind
+      q_many = jnp.zeros((8, 60, 1, 12, 128), jnp.bfloat16)  # 47 MB
+      assert tree_attention.tpu_applies(q_many, big[1], big_mask), kind
+
+
+# Qwen2-7B's attention (28 query heads over 4 kv heads of 128) in a 2-layer target
+TPU_CONFIG = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=512,
+                         num_layers=2, num_heads=28, num_kv_heads=4, head_dim=128,
+                         dtype="bfloat16")
+
+
+@pytest.mark.parametrize("device,chips", [("v5e:2x2", 1), ("v5p:2x2x1", 4)])
+def test_batched_tpu_verify_keeps_the_scores_on_chip(device, chips):
+  """The papers' 60-node verify at batch 8 over 2048 slots, on one v5e chip and on a v5p-8
+  (a kv head a chip; `Program.lower` decides as generate does): one TPU kernel a layer, and
+  at least a pass over the bf16 scores a layer fewer bytes than with XLA's attention,
+  which moves them through memory at these shapes (in a program this small XLA keeps
+  smaller ones on chip)."""
+  tpu = aot.platform(device, 1)
+  mesh = sharding.make_mesh((1, 1, chips), devices=tpu.devices[:chips])
+  kernel = 'custom_call_target="tpu_custom_call"'
+  with aot.quiet_native_stderr():
+    fused = programs.forward_program(TPU_CONFIG, mesh, 8, 60, 2048).lower().compile()
+    program = programs.forward_program(TPU_CONFIG, mesh, 8, 60, 2048)
+    with (sharding.tracing_for([x.sharding for x in jax.tree.leaves(program.args)]),
+          tree_attention.fused_tree_attention(False)):
+      plain = program.fn.lower(*program.args).compile().as_text()
+    fused = fused.as_text()
+  assert fused.count(kernel) == TPU_CONFIG.num_layers
+  assert plain.count(kernel) == 0
+  scores = 8 * (TPU_CONFIG.num_heads // chips) * 60 * 2048 * 2
+  saved = aot.hbm_bytes(plain) - aot.hbm_bytes(fused)
+  assert saved >= scores * TPU_CONFIG.num_layers, saved
+
+
 CONFIG = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
                      dtype="bfloat16")
@@ -202,15 +278,27 @@ for sizes in ((2, 1, 2), (1, 1, 4), (4, 1, 1)):
           q, stack(keys), stack(values), mask)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   print(sizes, tuple(spec))
+q, keys, values, mask = t.inputs(2, 12, 2, 3, 128, 512)
+want = tree_attention.tpu_kernel_attention(q, stack(keys), stack(values), mask, layer=1,
+                                           interpret=True)
+mesh = sharding.make_mesh((2, 1, 2))
+spec = sharding.logical_sharding(sharding.CACHE_KV_AXES, (2,) + keys.shape, mesh).spec
+got = jax.jit(lambda *a: tree_attention.sharded_kernel_attention(
+    *a, layer=1, mesh=mesh, cache_spec=spec, interpret=True,
+    kernel=tree_attention.tpu_kernel_attention))(q, stack(keys), stack(values), mask)
+np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+print("tpu kernel", tuple(spec))
 """
 
 
 def test_kernel_on_each_devices_share_equals_it_whole():
-  """The kernel under shard_map on 4 CPU devices (Pallas's interpreter): batch rows and kv
+  """The kernels under shard_map on 4 CPU devices (Pallas's interpreter): batch rows and kv
   heads split (2 x 2), kv heads not dividing 4 (kept whole: every device all of it), rows
-  split 4 ways with 2 rows (kept whole): the same output as one call on everything."""
+  split 4 ways with 2 rows (kept whole), and the TPU kernel split 2 x 2: the same output
+  as one call on everything."""
   lines = run_on_cpu_devices(_SHARDED_CHECK)
-  assert lines[:3] == [  # the caches' placements, as `cache_shardings`
+  assert lines[:4] == [  # the caches' placements, as `cache_shardings`
       "(2, 1, 2) (None, ('data', 'fsdp'), 'tensor')",
       "(1, 1, 4) (None, ('data', 'fsdp'))",  # 2 kv heads on 4: whole
-      "(4, 1, 1) (None, None, 'tensor')"], lines  # 2 rows on 4: whole
+      "(4, 1, 1) (None, None, 'tensor')",  # 2 rows on 4: whole
+      "tpu kernel (None, ('data', 'fsdp'), 'tensor')"], lines

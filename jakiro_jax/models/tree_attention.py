@@ -1,5 +1,5 @@
 """A few new tokens (a verified tree, a draft frontier, one decode step's token)
-attending over the whole cache in one GPU kernel.
+attending over the whole cache in one GPU or TPU kernel.
 
 XLA's GPU program for `llama.attention_probs` / `attention_values` writes the fp32 scores
 `[B, K, G, T, S]` to memory and passes over them in several kernels (mask, exp,
@@ -17,7 +17,16 @@ it takes seven (compile report).
 Used where it pays and is exact enough: lowered for CUDA only (`lax.platform_dependent`;
 every other platform, and CPU tests, run the XLA expression), bf16 / f16 inputs (fp32 runs
 keep XLA's dots at full precision), G x T <= `MAX_ROWS`, S a multiple of
-`BLOCK_S`. GSPMD does not partition a Pallas call, so a program over several devices
+`BLOCK_S`.
+
+On a TPU (Pallas, Mosaic: `tpu_kernel_attention`) XLA fuses the scores of a small share
+but not of a large one: Qwen2-7B's 60-node verify at batch 8 on a v5p-8 (seven query heads
+a chip) wrote `[8, 2048, 60, 7]` bf16 scores a layer and read them twice. The TPU kernel
+walks the cache in blocks that the grid's pipeline brings on chip, for trees and frontiers
+(T > 1) over caches whose head dim fills 128-lane rows (a narrower one is stored
+slots-minor, which a Pallas call would take only after a relayout).
+
+GSPMD does not partition a Pallas call, so a program over several devices
 (`fused_tree_attention(True, mesh, cache_spec)`, which `sharding.tracing_for` sets) runs it
 under `shard_map` on each device's batch rows and kv heads, as its cache is placed: the
 kernel is per (batch row, kv head), so the shares need nothing from each other.
@@ -28,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +50,10 @@ try:  # Pallas's Triton backend; where this JAX lacks it, XLA's attention runs e
                     or getattr(plgpu, "TritonCompilerParams", None))
 except ImportError:
   pl = plgpu = _TRITON_PARAMS = None
+try:  # Pallas's Mosaic (TPU) backend, likewise
+  from jax.experimental.pallas import tpu as pltpu
+except ImportError:
+  pltpu = None
 
 # The Pallas call's name in the HLO; the stacked form reads one layer of its K and V
 # operands, which the compile report's byte count takes from this name (`aot._Traffic`).
@@ -63,20 +77,27 @@ _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("fused_tree_atte
 # (mesh, cache_spec) of a program traced over several devices, else None.
 _mesh: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("tree_attention_mesh",
                                                                     default=None)
+# `device_kind` of the devices the program is traced for, where known.
+_device_kind: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "tree_attention_device_kind", default=None)
 
 
 @contextlib.contextmanager
-def fused_tree_attention(enabled: bool, mesh=None, cache_spec=None):
+def fused_tree_attention(enabled: bool, mesh=None, cache_spec=None,
+                         device_kind: str | None = None):
   """Within: whether tracing may use the kernel, and for a program over several devices
   its `mesh` and `cache_spec(shape) -> PartitionSpec`, how a stacked cache `[L, B, K, S, H]`
-  of that shape is placed on it (the kernel then runs on each device's share)."""
+  of that shape is placed on it (the kernel then runs on each device's share);
+  `device_kind`, the devices' (`jax.Device.device_kind`), where known."""
   if (mesh is None) != (cache_spec is None):
     raise ValueError("fused_tree_attention: a mesh needs its cache_spec, and the reverse")
-  tokens = _enabled.set(bool(enabled)), _mesh.set(None if mesh is None
-                                                   else (mesh, cache_spec))
+  tokens = (_enabled.set(bool(enabled)),
+            _mesh.set(None if mesh is None else (mesh, cache_spec)),
+            _device_kind.set(device_kind))
   try:
     yield
   finally:
+    _device_kind.reset(tokens[2])
     _mesh.reset(tokens[1])
     _enabled.reset(tokens[0])
 
@@ -237,10 +258,158 @@ def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
   return out[:, :, :g * t].reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
 
 
+TPU_BLOCK_S = 512  # at most this many cache slots a TPU grid step brings on chip
+TPU_MAX_ROWS = 1024  # G x T' query rows of a (batch row, kv head) a TPU program holds
+
+
+def _padded_to(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def tpu_block(slots: int) -> int:
+  """Slots per TPU grid step: the most whole 128-lane rows up to `TPU_BLOCK_S` that divide
+  `slots` (a multiple of 128)."""
+  return next(b for b in range(TPU_BLOCK_S, 0, -128) if slots % b == 0)
+
+
+def tpu_vmem_bytes(groups: int, tokens: int, head_dim: int, block: int) -> int:
+  """Scoped VMEM the TPU kernel asks for: its double-buffered blocks (bf16 q, o, K, V; the
+  int8 mask), its fp32 scratch and a few `[T, BS]` fp32 temporaries, plus 1 MiB, in whole
+  MiB. With Mosaic's far larger default XLA keeps that much free around every call, and
+  activations it held on chip go through memory instead (v6e-8, Llama-3.1-8B's batch-8
+  round: 2.84 GB moved with the default, 2.76 with this; compile report)."""
+  rows = groups * _padded_to(tokens, 16)
+  need = (2 * 2 * 2 * rows * head_dim + 2 * 2 * 2 * block * head_dim
+          + 2 * _padded_to(tokens, 32) * block + 4 * rows * (head_dim + 2 * 128)
+          + 4 * 4 * _padded_to(tokens, 8) * block)
+  return (need + (1 << 20) + (1 << 20) - 1) >> 20 << 20
+
+
+# Per device, the fp32 scores `[B, K, G, T, S]` of a layer up to which XLA's own attention
+# keeps them on chip, by TPU (compile report, real targets): on a v5e or v6e (one core,
+# 128 MiB of VMEM) a batch-8 verify's 15.7 MB stayed on chip (Llama-3.1-8B on 8 chips),
+# and the kernel moved 0-4% more in all (batch 1 and 8), but 110 MB did not (one chip,
+# 28 query heads); a v5p wrote even a batch-1 verify's 3.9 MB (the kernel: -3% at batch
+# 1, -14% at batch 8 with Qwen2-7B).
+XLA_KEEPS_SCORES_ON_LITE_CHIPS = 32 << 20
+
+
+def _xla_keeps_scores_up_to(device_kind: str | None) -> int:
+  if device_kind is None and jax.default_backend() == "tpu":
+    device_kind = jax.devices()[0].device_kind
+  kind = (device_kind or "").lower()
+  lite = "lite" in kind or kind.endswith(("v5e", "v6e"))
+  return XLA_KEEPS_SCORES_ON_LITE_CHIPS if lite else 0
+
+
+def _devices_sharing(k_cache: jax.Array) -> int:
+  """Devices among which the program being traced splits a stacked cache's batch rows and
+  kv heads (1 on one device)."""
+  placed = _mesh.get()
+  if placed is None:
+    return 1
+  mesh, cache_spec = placed
+  spec = tuple(cache_spec(k_cache.shape)) + (None,) * 5
+  names = [n for entry in spec[1:3] if entry is not None
+           for n in (entry if isinstance(entry, tuple) else (entry,))]
+  return math.prod(mesh.shape[n] for n in names)
+
+
+def tpu_applies(q: jax.Array, k_cache: jax.Array, mask: jax.Array) -> bool:
+  """Whether `attention` would use the TPU kernel for q `[B, T, K, G, H]`, a stacked cache
+  `[L, B, K, S, H]` and mask `[B, T, S']`: a tree or frontier (T > 1; one decode token's
+  scores are small and XLA fuses them) whose scores XLA would not keep on chip on this
+  TPU (`XLA_KEEPS_SCORES_ON_LITE_CHIPS`), the whole cache, bf16, a head dim of whole
+  128-lane rows (a narrower one is stored slots-minor, `llama.write_kv`, and a Pallas
+  call would take it only after a whole-cache relayout)."""
+  b, t, kv, g, h = q.shape
+  s = k_cache.shape[-2]
+  if not (_enabled.get() and pltpu is not None and t > 1 and mask.shape[-1] == s
+          and s % 128 == 0 and h % 128 == 0
+          and q.dtype == jnp.bfloat16 and k_cache.dtype == q.dtype
+          and g * _padded_to(t, 8) <= TPU_MAX_ROWS):
+    return False
+  scores = b * kv * g * t * s * 4 // _devices_sharing(k_cache)
+  return scores > _xla_keeps_scores_up_to(_device_kind.get())
+
+
+def _tpu_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, acc_ref, top_ref, total_ref, *,
+                scale: float):
+  """One (batch row, kv head) and one block of its slots (the grid's last axis, walked in
+  order): q `[G, T, H]`, k / v `[BS, H]`, mask `[T, BS]`. The output so far `[G, T, H]`
+  fp32 and the running max and total `[G, T, 128]` (lane-replicated) stay in VMEM across
+  the blocks; o `[G, T, H]` is written after the last."""
+  block = pl.program_id(2)
+  hidden = jnp.float32(-0.7 * jnp.finfo(jnp.float32).max)  # as in `_kernel`
+
+  @pl.when(block == 0)
+  def _start():
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    top_ref[...] = jnp.full(top_ref.shape, hidden, jnp.float32)
+    total_ref[...] = jnp.zeros(total_ref.shape, jnp.float32)
+
+  k, v = k_ref[...], v_ref[...]
+  visible = mask_ref[...].astype(jnp.int32) != 0
+  for g in range(q_ref.shape[0]):  # a query head's T rows at a time: they share the mask
+    scores = jax.lax.dot_general(q_ref[g], k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible, scores, hidden)
+    top = top_ref[g]
+    new_top = jnp.maximum(top, scores.max(axis=-1, keepdims=True))
+    correction = jnp.exp(top - new_top)
+    weights = jnp.exp(scores - new_top[:, :1])
+    total_ref[g] = total_ref[g] * correction + weights.sum(axis=-1, keepdims=True)
+    acc_ref[g] = acc_ref[g] * correction[:, :1] + jax.lax.dot_general(
+        weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32)
+    top_ref[g] = new_top
+
+  @pl.when(block == pl.num_programs(2) - 1)
+  def _finish():
+    o_ref[...] = (acc_ref[...] / total_ref[:, :, :1]).astype(o_ref.dtype)
+
+
+def tpu_kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
+                         layer: int | None = None, interpret: bool = False) -> jax.Array:
+  """`kernel_attention`'s contract on a TPU (Pallas, Mosaic): per (batch row, kv head) a
+  walk over the cache in blocks of `tpu_block(S)` slots, which the grid's pipeline brings
+  on chip while the previous block is used, with an online softmax, a query head's T rows
+  at a time under the mask `[B, T, S]` as it is."""
+  b, t, kv, g, h = q.shape
+  s = keys.shape[-2]
+  block = tpu_block(s)
+  if layer is None:
+    cache_spec = pl.BlockSpec((None, None, block, h), lambda i, j, p: (i, j, p, 0))
+  else:
+    cache_spec = pl.BlockSpec((None, None, None, block, h),
+                              lambda i, j, p: (layer, i, j, p, 0))
+  rows_spec = pl.BlockSpec((None, None, g, t, h), lambda i, j, p: (i, j, 0, 0, 0))
+  out = pl.pallas_call(
+      functools.partial(_tpu_kernel, scale=h ** -0.5),
+      out_shape=jax.ShapeDtypeStruct((b, kv, g, t, h), values.dtype),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=0,
+          grid=(b, kv, s // block),
+          in_specs=[rows_spec, cache_spec, cache_spec,
+                    pl.BlockSpec((None, t, block), lambda i, j, p: (i, 0, p))],
+          out_specs=rows_spec,
+          scratch_shapes=[pltpu.VMEM((g, t, h), jnp.float32),
+                          pltpu.VMEM((g, t, 128), jnp.float32),
+                          pltpu.VMEM((g, t, 128), jnp.float32)]),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=tpu_vmem_bytes(g, t, h, block)),
+      interpret=interpret,
+      name=KERNEL_NAME if layer is None else STACKED_KERNEL_NAME,
+  )(q.transpose(0, 2, 3, 1, 4), keys, values, mask.astype(jnp.int8))  # bool: int32
+  return out.transpose(0, 3, 1, 2, 4)
+
+
 def sharded_kernel_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                              mask: jax.Array, layer: int | None, mesh, cache_spec,
-                             interpret: bool = False) -> jax.Array:
-  """`kernel_attention` on each device of `mesh` for its batch rows and kv heads: the
+                             interpret: bool = False, kernel=None) -> jax.Array:
+  """`kernel` (`kernel_attention` or `tpu_kernel_attention`; the first by default) on
+  each device of `mesh` for its batch rows and kv heads: the
   caches (stacked `[L, B, K, S, H]` or one layer's `[B, K, S, H]`) split as `cache_spec`
   (a PartitionSpec of the stacked shape) splits them, q `[B, T, K, G, H]` and its output
   alike, the mask `[B, T, S]` by rows. Layers, slots and head dim stay whole."""
@@ -248,7 +417,7 @@ def sharded_kernel_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
   rows, heads = spec[1], spec[2]
   q_spec = P(rows, None, heads, None, None)
   kv_spec = P(None, rows, heads, None, None) if k_cache.ndim == 5 else P(rows, heads)
-  run = functools.partial(kernel_attention, layer=layer, interpret=interpret)
+  run = functools.partial(kernel or kernel_attention, layer=layer, interpret=interpret)
   return jax.shard_map(run, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(rows)),
                        out_specs=q_spec, check_vma=False)(q, k_cache, v_cache, mask)
 
@@ -257,32 +426,41 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
               mask: jax.Array, xla_attention) -> jax.Array:
   """Layer `layer` of the stacked caches `[L, B, K, S, H]` attended by q `[B, T, K, G, H]`
   under mask `[B, T, S']` (its first S' slots): `xla_attention(q, keys, values, mask)` on
-  every platform but CUDA, where the kernel takes it when `applies` (same result shape;
-  its gradient is the XLA expression's)."""
+  every platform but CUDA and TPU, where a kernel takes it when `applies` / `tpu_applies`
+  (same result shape; its gradient is the XLA expression's)."""
   def plain(q, k_cache, v_cache, mask):
     seen = mask.shape[-1]
     return xla_attention(q, k_cache[layer, :, :, :seen], v_cache[layer, :, :, :seen], mask)
 
-  if not applies(q, k_cache, mask):
-    return plain(q, k_cache, v_cache, mask)
-
   placed = _mesh.get()
 
-  @jax.custom_vjp
-  def fused(q, k_cache, v_cache, mask):
-    if placed is None:
-      return kernel_attention(q, k_cache, v_cache, mask, layer)
-    mesh, cache_spec = placed
-    return sharded_kernel_attention(q, k_cache, v_cache, mask, layer, mesh,
-                                    cache_spec(k_cache.shape))
+  def fused_with(kernel):
+    @jax.custom_vjp
+    def fused(q, k_cache, v_cache, mask):
+      if kernel is tpu_kernel_attention:  # before any shard_map: one cast for all layers
+        mask = mask.astype(jnp.int8)
+      if placed is None:
+        return kernel(q, k_cache, v_cache, mask, layer)
+      mesh, cache_spec = placed
+      return sharded_kernel_attention(q, k_cache, v_cache, mask, layer, mesh,
+                                      cache_spec(k_cache.shape), kernel=kernel)
 
-  def forward(q, k_cache, v_cache, mask):
-    return fused(q, k_cache, v_cache, mask), (q, k_cache, v_cache, mask)
+    def forward(q, k_cache, v_cache, mask):
+      return fused(q, k_cache, v_cache, mask), (q, k_cache, v_cache, mask)
 
-  def backward(saved, grad):
-    q, k_cache, v_cache, mask = saved
-    _, pullback = jax.vjp(lambda *a: plain(*a, mask), q, k_cache, v_cache)
-    return (*pullback(grad), None)
+    def backward(saved, grad):
+      q, k_cache, v_cache, mask = saved
+      _, pullback = jax.vjp(lambda *a: plain(*a, mask), q, k_cache, v_cache)
+      return (*pullback(grad), None)
 
-  fused.defvjp(forward, backward)
-  return jax.lax.platform_dependent(q, k_cache, v_cache, mask, cuda=fused, default=plain)
+    fused.defvjp(forward, backward)
+    return fused
+
+  kernels = {}
+  if applies(q, k_cache, mask):
+    kernels["cuda"] = fused_with(kernel_attention)
+  if tpu_applies(q, k_cache, mask):
+    kernels["tpu"] = fused_with(tpu_kernel_attention)
+  if not kernels:
+    return plain(q, k_cache, v_cache, mask)
+  return jax.lax.platform_dependent(q, k_cache, v_cache, mask, default=plain, **kernels)

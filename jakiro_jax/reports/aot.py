@@ -547,8 +547,9 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
 
 
 # A Pallas call reads the blocks its index maps pick, which the HLO does not say. Our
-# tree-attention kernel (`models/tree_attention.py`, named in its backend config) takes
-# the stacked K and V caches `[L, ...]` whole and reads one layer of each.
+# tree-attention kernel (`models/tree_attention.py`; named in its backend config on a GPU,
+# in its op name on a TPU) takes the stacked K and V caches `[L, ...]` whole and reads one
+# layer of each.
 _STACKED_KV_KERNEL = "tree_attention_stacked"
 # Ops that read only part of their first operand, and ops that update it in place.
 _PARTIAL_READ = {"gather", "dynamic-slice", "slice"}
@@ -653,7 +654,9 @@ class _Traffic:
         whole = self.operand(computation, op)
         reads += min(partial.get(i, whole), whole)
       return reads + self.fused_writes(ins.called[0], ins)
-    if ins.opcode == "custom-call" and f'name = "{_STACKED_KV_KERNEL}"' in ins.text:
+    if ins.opcode == "custom-call" and (
+        f'name = "{_STACKED_KV_KERNEL}"' in ins.text  # Triton's config names it
+        or re.search(rf'op_name="[^"]*/{_STACKED_KV_KERNEL}/pallas_call"', ins.text)):
       return self._stacked_kv_kernel(computation, ins)
     if ins.opcode in _PARTIAL_READ:  # reads what it takes from its operand, writes it
       taken = sum(n for n, _ in ins.arrays)

@@ -107,29 +107,30 @@ def commit_path(cache: KVCache, path: jax.Array, advance: jax.Array,
   verified tree's N (path nodes are below it), which lets a TPU move each row's path
   within its N slots (`_commit_rows`).
   """
-  if cache.batch == 1:
-    return _commit_path_one_row(cache, path, advance)
-
-  def scatter(k, v, lengths, path):
-    rows = jnp.arange(k.shape[1])[:, None]
-    offsets = jnp.arange(path.shape[1], dtype=jnp.int32)[None]
-    source = lengths[:, None] + path
-    dest = lengths[:, None] + offsets
-    # [B, W] indices around the heads slice: gathered and written as [B, W, L, K, H].
-    return (k.at[:, rows, :, dest].set(k[:, rows, :, source], mode="drop"),
-            v.at[:, rows, :, dest].set(v[:, rows, :, source], mode="drop"))
-
+  plain = _move_one_row if cache.batch == 1 else _scatter_paths
   if num_nodes is None:
-    k, v = scatter(cache.k, cache.v, cache.lengths, path)
+    k, v = plain(cache.k, cache.v, cache.lengths, path)
   else:
     # On a TPU row by row, as `llama.write_kv` writes: one scatter over the batch made
-    # XLA copy the stacked caches to another layout and back.
+    # XLA copy the stacked caches to another layout and back, and so did a batch-1 gather
+    # of the path's slots from the whole cache on a v5p-8 (Llama-3.1-8B, 0.13 GB a round).
     rows = functools.partial(on_row_shares,
                              functools.partial(_commit_rows, num_nodes=num_nodes),
                              rest_axes=(("rows", None),))
     k, v = jax.lax.platform_dependent(cache.k, cache.v, cache.lengths, path, tpu=rows,
-                                      default=scatter)
+                                      default=plain)
   return cache.replace(k=k, v=v, lengths=cache.lengths + advance)
+
+
+def _scatter_paths(k, v, lengths, path):
+  """`commit_path`'s move for a batch as one scatter: caches `[L, B, K, S, H]`."""
+  rows = jnp.arange(k.shape[1])[:, None]
+  offsets = jnp.arange(path.shape[1], dtype=jnp.int32)[None]
+  source = lengths[:, None] + path
+  dest = lengths[:, None] + offsets
+  # [B, W] indices around the heads slice: gathered and written as [B, W, L, K, H].
+  return (k.at[:, rows, :, dest].set(k[:, rows, :, source], mode="drop"),
+          v.at[:, rows, :, dest].set(v[:, rows, :, source], mode="drop"))
 
 
 def _commit_rows(k, v, lengths, path, num_nodes: int):
@@ -150,15 +151,15 @@ def _commit_rows(k, v, lengths, path, num_nodes: int):
   return for_each_row(update, k, v)
 
 
-def _commit_path_one_row(cache: KVCache, path: jax.Array, advance: jax.Array) -> KVCache:
-  """`commit_path` for one row: its W destination slots are one block, so the move is a
-  gather of the path's slots and one dynamic-update-slice per cache, where the scatter
-  made XLA:TPU copy the stacked caches to another layout and back. Near the cache's end
-  the block starts at S - W instead, and its slots before `lengths` keep their values,
-  as the scatter's dropped slots would."""
+def _move_one_row(k, v, lengths, path):
+  """`commit_path`'s move for one row (caches `[L, 1, K, S, H]`): its W destination slots
+  are one block, so the move is a gather of the path's slots and one
+  dynamic-update-slice per cache, where the scatter made XLA:TPU copy the stacked caches
+  to another layout and back. Near the cache's end the block starts at S - W instead, and
+  its slots before `lengths` keep their values, as the scatter's dropped slots would."""
   width = path.shape[1]
-  start = cache.lengths[0]
-  at = jnp.minimum(start, cache.max_len - width)
+  start = lengths[0]
+  at = jnp.minimum(start, k.shape[3] - width)
   slot = at + jnp.arange(width, dtype=jnp.int32)  # [W] slots of the block
   take = jnp.clip(slot - start, 0, width - 1)  # which path node each slot receives
   source = start + path[0][take]
@@ -169,5 +170,5 @@ def _commit_path_one_row(cache: KVCache, path: jax.Array, advance: jax.Array) ->
     block = jnp.where((slot >= start)[:, None], new, old)
     return jax.lax.dynamic_update_slice_in_dim(stacked, block, at, axis=3)
 
-  return cache.replace(k=move(cache.k), v=move(cache.v), lengths=cache.lengths + advance)
+  return move(k), move(v)
 
