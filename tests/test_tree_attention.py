@@ -42,8 +42,19 @@ def inputs(batch, tokens, kv, groups, head_dim, slots, dtype=jnp.bfloat16, seed=
     (60, 1, 7, 128, 256),  # with Qwen2-7B's: 420 rows of 512, one kv head, no slot split
     (7, 1, 1, 32, 128)])   # one kv head, one group, rows padded 7 -> 16
 def test_kernel_equals_the_xla_expression(tokens, kv, groups, head_dim, slots):
-  q, keys, values, mask = inputs(2, tokens, kv, groups, head_dim, slots)
-  got = tree_attention.kernel_attention(q, keys, values, mask, interpret=True)
+  _check_against_xla(tree_attention.kernel_attention,
+                     inputs(2, tokens, kv, groups, head_dim, slots))
+
+
+def _check_against_xla(kernel, args, stacked: bool = False):
+  """`kernel(q, keys, values, mask)` (through Pallas's interpreter; with `stacked`, on a
+  2-layer stack of the caches, layer 1) against XLA's expression."""
+  q, keys, values, mask = args
+  if stacked:
+    stack = lambda x: jnp.stack([-x, x])  # noqa: E731  [2, B, K, S, H]
+    got = kernel(q, stack(keys), stack(values), mask, layer=1, interpret=True)
+  else:
+    got = kernel(q, keys, values, mask, interpret=True)
   want = xla_attention(q, keys, values, mask)
   assert got.shape == want.shape and got.dtype == want.dtype
   # bf16 outputs of values ~N(0, 1): a few units in the last place
@@ -53,7 +64,7 @@ def test_kernel_equals_the_xla_expression(tokens, kv, groups, head_dim, slots):
   hidden = ~mask[0, 0]
   moved = values.at[0, :, :, :].add(jnp.where(hidden[None, :, None], 100.0, 0.0).astype(
       values.dtype))
-  again = tree_attention.kernel_attention(q, keys, moved, mask, interpret=True)
+  again = kernel(q, keys, moved, mask, interpret=True)
   np.testing.assert_array_equal(np.asarray(again[0, 0]), np.asarray(got[0, 0]))
 
 
@@ -131,19 +142,8 @@ def test_on_the_cpu_and_under_grad_the_xla_expression_runs():
     (60, 1, 7, 128, 1024),  # Qwen2-7B's groups over the papers' tree, two blocks
     (7, 1, 1, 256, 384)])   # a 256 head dim, one block of 384 slots
 def test_tpu_kernel_equals_the_xla_expression(tokens, kv, groups, head_dim, slots):
-  q, keys, values, mask = inputs(2, tokens, kv, groups, head_dim, slots)
-  stack = lambda x: jnp.stack([-x, x])  # noqa: E731  [2, B, K, S, H]
-  got = tree_attention.tpu_kernel_attention(q, stack(keys), stack(values), mask, layer=1,
-                                            interpret=True)
-  want = xla_attention(q, keys, values, mask)
-  assert got.shape == want.shape and got.dtype == want.dtype
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                             atol=2e-2)
-  hidden = ~mask[0, 0]
-  moved = values.at[0, :, :, :].add(jnp.where(hidden[None, :, None], 100.0, 0.0).astype(
-      values.dtype))
-  again = tree_attention.tpu_kernel_attention(q, keys, moved, mask, interpret=True)
-  np.testing.assert_array_equal(np.asarray(again[0, 0]), np.asarray(got[0, 0]))
+  _check_against_xla(tree_attention.tpu_kernel_attention,
+                     inputs(2, tokens, kv, groups, head_dim, slots), stacked=True)
 
 
 def test_where_the_tpu_kernel_applies():
