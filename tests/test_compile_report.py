@@ -19,6 +19,7 @@ from jakiro_jax.prune.flops import schedule_flops  # noqa: E402
 from jakiro_jax.prune.schedule import uniform_schedule  # noqa: E402
 from jakiro_jax.reports import compile_report as cr  # noqa: E402
 from jakiro_jax.reports import programs  # noqa: E402
+from hlo_checks import cache_relayouts  # noqa: E402
 
 PLATFORMS = {"v5e:2x2": ("v5e:2x2", 1), "h100x2": ("h100", 2)}
 
@@ -615,18 +616,9 @@ def test_a_rounds_must_read_floor_counts_each_draft_step(method):
 
 
 def _cache_relayouts(program, cache_bytes_per_device: int) -> list[str]:
-  """Copies and transposes (kernels or fusions named for them) that move at least the
-  per-device K cache. A `copy-start` into on-chip memory, XLA holding a small cache on
-  chip in its own layout, is not one."""
   with aot.quiet_native_stderr():
     text = program.lower().compile().as_text()
-  module = aot.parse_hlo(text)
-  traffic = aot._Traffic(module)
-  return [f"{ins.opcode} {ins.name}" for comp in module.control(module.entry)
-          for ins in module.computations[comp]
-          if (ins.opcode in ("copy", "transpose") or ins.opcode == "fusion" and (
-              "copy" in ins.name or "transpose" in ins.name))
-          and traffic.kernel(comp, ins) >= cache_bytes_per_device]
+  return cache_relayouts(text, cache_bytes_per_device)
 
 
 def test_a_one_row_round_on_a_v5p_moves_its_path_in_place():

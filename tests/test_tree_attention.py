@@ -5,6 +5,8 @@ device's batch rows and kv heads, under shard_map)."""
 
 from jakiro_jax.reports import aot  # first: the compile-only environment
 
+import functools  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -16,6 +18,7 @@ from jakiro_jax.models.config import LlamaConfig  # noqa: E402
 from jakiro_jax.models.llama import xla_attention  # noqa: E402
 from jakiro_jax.reports import programs  # noqa: E402
 from cpu_devices import run_on_cpu_devices  # noqa: E402
+from hlo_checks import cache_relayouts  # noqa: E402
 
 
 def inputs(batch, tokens, kv, groups, head_dim, slots, dtype=jnp.bfloat16, seed=0):
@@ -140,10 +143,12 @@ def test_on_the_cpu_and_under_grad_the_xla_expression_runs():
 @pytest.mark.parametrize("tokens,kv,groups,head_dim,slots", [
     (12, 2, 3, 128, 512),   # rows padded 12 -> 16 a query head, one block of 512
     (60, 1, 7, 128, 1024),  # Qwen2-7B's groups over the papers' tree, two blocks
-    (7, 1, 1, 256, 384)])   # a 256 head dim, one block of 384 slots
+    (7, 1, 1, 256, 384),    # a 256 head dim, one block of 384 slots
+    (20, 2, 4, 64, 1024)])  # Llama-3.2-1B's: its cache taken as [..., H, S] blocks
 def test_tpu_kernel_equals_the_xla_expression(tokens, kv, groups, head_dim, slots):
-  _check_against_xla(tree_attention.tpu_kernel_attention,
-                     inputs(2, tokens, kv, groups, head_dim, slots), stacked=True)
+  kernel = functools.partial(tree_attention.tpu_kernel_attention,
+                             slots_minor=head_dim < 128)
+  _check_against_xla(kernel, inputs(2, tokens, kv, groups, head_dim, slots), stacked=True)
 
 
 def test_where_the_tpu_kernel_applies():
@@ -152,7 +157,10 @@ def test_where_the_tpu_kernel_applies():
   assert tree_attention.tpu_applies(q, cache, mask)
   assert tree_attention.tpu_block(640) == 128 and tree_attention.tpu_block(2048) == 512
   assert not tree_attention.tpu_applies(q[:, :1], cache, mask[:, :1])  # one decode token
-  assert not tree_attention.tpu_applies(q[..., :64], cache[..., :64], mask)  # slots-minor
+  assert tree_attention.tpu_applies(q[..., :64], cache[..., :64], mask)  # slots-minor
+  wide = jnp.zeros(q.shape[:-1] + (192,), q.dtype), jnp.zeros(cache.shape[:-1] + (192,),
+                                                               cache.dtype)
+  assert not tree_attention.tpu_applies(*wide, mask)  # neither
   assert not tree_attention.tpu_applies(q, cache[..., :600, :], mask[..., :600])
   assert not tree_attention.tpu_applies(q, cache, mask[..., :128])  # a prefill's mask
   assert not tree_attention.tpu_applies(q.astype(jnp.float32), cache.astype(jnp.float32),
@@ -170,6 +178,8 @@ def test_where_the_tpu_kernel_applies():
       assert tree_attention.tpu_applies(*big, big_mask) == used, kind
       q_many = jnp.zeros((8, 60, 1, 12, 128), jnp.bfloat16)  # 47 MB
       assert tree_attention.tpu_applies(q_many, big[1], big_mask), kind
+      # over a slots-minor cache XLA wrote even a small share's
+      assert tree_attention.tpu_applies(big[0][..., :64], big[1][..., :64], big_mask)
 
 
 # Qwen2-7B's attention (28 query heads over 4 kv heads of 128) in a 2-layer target
@@ -178,28 +188,33 @@ TPU_CONFIG = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=512
                          dtype="bfloat16")
 
 
-@pytest.mark.parametrize("device,chips", [("v5e:2x2", 1), ("v5p:2x2x1", 4)])
-def test_batched_tpu_verify_keeps_the_scores_on_chip(device, chips):
+@pytest.mark.parametrize("device,chips,head_dim", [
+    ("v5e:2x2", 1, 128), ("v5p:2x2x1", 4, 128),
+    ("v5e:2x2", 1, 64)])  # a cache stored slots-minor, read in place
+def test_batched_tpu_verify_keeps_the_scores_on_chip(device, chips, head_dim):
   """The papers' 60-node verify at batch 8 over 2048 slots, on one v5e chip and on a v5p-8
-  (a kv head a chip; `Program.lower` decides as generate does): one TPU kernel a layer, and
-  at least a pass over the bf16 scores a layer fewer bytes than with XLA's attention,
-  which moves them through memory at these shapes (in a program this small XLA keeps
-  smaller ones on chip)."""
+  (a kv head a chip; `Program.lower` decides as generate does): one TPU kernel a layer,
+  no copy of a cache, and at least a pass over the bf16 scores a layer fewer bytes than
+  with XLA's attention, which moves them through memory at these shapes (in a program
+  this small XLA keeps smaller ones on chip)."""
   tpu = aot.platform(device, 1)
   mesh = sharding.make_mesh((1, 1, chips), devices=tpu.devices[:chips])
+  config = TPU_CONFIG.replace(head_dim=head_dim)
   kernel = 'custom_call_target="tpu_custom_call"'
   with aot.quiet_native_stderr():
-    fused = programs.forward_program(TPU_CONFIG, mesh, 8, 60, 2048).lower().compile()
-    program = programs.forward_program(TPU_CONFIG, mesh, 8, 60, 2048)
+    fused = programs.forward_program(config, mesh, 8, 60, 2048).lower().compile()
+    program = programs.forward_program(config, mesh, 8, 60, 2048)
     with (sharding.tracing_for([x.sharding for x in jax.tree.leaves(program.args)]),
           tree_attention.fused_tree_attention(False)):
       plain = program.fn.lower(*program.args).compile().as_text()
     fused = fused.as_text()
-  assert fused.count(kernel) == TPU_CONFIG.num_layers
+  assert fused.count(kernel) == config.num_layers
   assert plain.count(kernel) == 0
-  scores = 8 * (TPU_CONFIG.num_heads // chips) * 60 * 2048 * 2
+  cache = config.num_layers * 8 * config.num_kv_heads * 2048 * head_dim * 2 // chips
+  assert not cache_relayouts(fused, cache)
+  scores = 8 * (config.num_heads // chips) * 60 * 2048 * 2
   saved = aot.hbm_bytes(plain) - aot.hbm_bytes(fused)
-  assert saved >= scores * TPU_CONFIG.num_layers, saved
+  assert saved >= scores * config.num_layers, saved
 
 
 CONFIG = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,

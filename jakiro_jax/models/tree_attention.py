@@ -23,8 +23,9 @@ On a TPU (Pallas, Mosaic: `tpu_kernel_attention`) XLA fuses the scores of a smal
 but not of a large one: Qwen2-7B's 60-node verify at batch 8 on a v5p-8 (seven query heads
 a chip) wrote `[8, 2048, 60, 7]` bf16 scores a layer and read them twice. The TPU kernel
 walks the cache in blocks that the grid's pipeline brings on chip, for trees and frontiers
-(T > 1) over caches whose head dim fills 128-lane rows (a narrower one is stored
-slots-minor, which a Pallas call would take only after a relayout).
+(T > 1). A cache whose head dim is under 128 lanes is stored slots-minor on a TPU
+(`llama.write_kv`); the kernel reads it as the `[..., H, S]` array those bytes are, since
+a Pallas call takes its operands row-major and would otherwise get a whole-cache copy.
 
 GSPMD does not partition a Pallas call, so a program over several devices
 (`fused_tree_attention(True, mesh, cache_spec)`, which `sharding.tracing_for` sets) runs it
@@ -319,22 +320,24 @@ def tpu_applies(q: jax.Array, k_cache: jax.Array, mask: jax.Array) -> bool:
   """Whether `attention` would use the TPU kernel for q `[B, T, K, G, H]`, a stacked cache
   `[L, B, K, S, H]` and mask `[B, T, S']`: a tree or frontier (T > 1; one decode token's
   scores are small and XLA fuses them) whose scores XLA would not keep on chip on this
-  TPU (`XLA_KEEPS_SCORES_ON_LITE_CHIPS`), the whole cache, bf16, a head dim of whole
-  128-lane rows (a narrower one is stored slots-minor, `llama.write_kv`, and a Pallas
-  call would take it only after a whole-cache relayout)."""
+  TPU (`XLA_KEEPS_SCORES_ON_LITE_CHIPS`; over a slots-minor cache, a head dim under 128,
+  it passed even a small share's through memory), the whole cache, bf16, a head dim of
+  whole 128-lane rows or under 128."""
   b, t, kv, g, h = q.shape
   s = k_cache.shape[-2]
   if not (_enabled.get() and pltpu is not None and t > 1 and mask.shape[-1] == s
-          and s % 128 == 0 and h % 128 == 0
+          and s % 128 == 0 and (h % 128 == 0 or h < 128)
           and q.dtype == jnp.bfloat16 and k_cache.dtype == q.dtype
           and g * _padded_to(t, 8) <= TPU_MAX_ROWS):
     return False
+  if h < 128:  # slots-minor: XLA's expression passed even a small share's through memory
+    return True
   scores = b * kv * g * t * s * 4 // _devices_sharing(k_cache)
   return scores > _xla_keeps_scores_up_to(_device_kind.get())
 
 
 def _tpu_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, acc_ref, top_ref, total_ref, *,
-                scale: float):
+                scale: float, slots_minor: bool):
   """One (batch row, kv head) and one block of its slots (the grid's last axis, walked in
   order): q `[G, T, H]`, k / v `[BS, H]`, mask `[T, BS]`. The output so far `[G, T, H]`
   fp32 and the running max and total `[G, T, 128]` (lane-replicated) stay in VMEM across
@@ -349,9 +352,11 @@ def _tpu_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, acc_ref, top_ref, total_re
     total_ref[...] = jnp.zeros(total_ref.shape, jnp.float32)
 
   k, v = k_ref[...], v_ref[...]
+  # [BS, H] blocks, or [H, BS] from a cache stored slots-minor
+  slot_axis = 1 if slots_minor else 0
   visible = mask_ref[...].astype(jnp.int32) != 0
   for g in range(q_ref.shape[0]):  # a query head's T rows at a time: they share the mask
-    scores = jax.lax.dot_general(q_ref[g], k, (((1,), (1,)), ((), ())),
+    scores = jax.lax.dot_general(q_ref[g], k, (((1,), (1 - slot_axis,)), ((), ())),
                                  preferred_element_type=jnp.float32) * scale
     scores = jnp.where(visible, scores, hidden)
     top = top_ref[g]
@@ -360,7 +365,7 @@ def _tpu_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, acc_ref, top_ref, total_re
     weights = jnp.exp(scores - new_top[:, :1])
     total_ref[g] = total_ref[g] * correction + weights.sum(axis=-1, keepdims=True)
     acc_ref[g] = acc_ref[g] * correction[:, :1] + jax.lax.dot_general(
-        weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+        weights.astype(v.dtype), v, (((1,), (slot_axis,)), ((), ())),
         preferred_element_type=jnp.float32)
     top_ref[g] = new_top
 
@@ -370,22 +375,29 @@ def _tpu_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, acc_ref, top_ref, total_re
 
 
 def tpu_kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
-                         layer: int | None = None, interpret: bool = False) -> jax.Array:
+                         layer: int | None = None, interpret: bool = False,
+                         slots_minor: bool = False) -> jax.Array:
   """`kernel_attention`'s contract on a TPU (Pallas, Mosaic): per (batch row, kv head) a
   walk over the cache in blocks of `tpu_block(S)` slots, which the grid's pipeline brings
   on chip while the previous block is used, with an online softmax, a query head's T rows
-  at a time under the mask `[B, T, S]` as it is."""
+  at a time under the mask `[B, T, S]` as it is. `slots_minor`: the caches are stored
+  slots-minor (a TPU's layout for a head dim under 128), so the kernel takes them as
+  `[..., H, S]`, the same bytes, in `[H, BS]` blocks."""
   b, t, kv, g, h = q.shape
   s = keys.shape[-2]
   block = tpu_block(s)
+  tile = (h, block) if slots_minor else (block, h)
+  if slots_minor:  # the same bytes as [..., H, S] row-major: a bitcast, not a copy
+    keys, values = jnp.swapaxes(keys, -1, -2), jnp.swapaxes(values, -1, -2)
+  at = (lambda p: (0, p)) if slots_minor else (lambda p: (p, 0))
   if layer is None:
-    cache_spec = pl.BlockSpec((None, None, block, h), lambda i, j, p: (i, j, p, 0))
+    cache_spec = pl.BlockSpec((None, None) + tile, lambda i, j, p: (i, j) + at(p))
   else:
-    cache_spec = pl.BlockSpec((None, None, None, block, h),
-                              lambda i, j, p: (layer, i, j, p, 0))
+    cache_spec = pl.BlockSpec((None, None, None) + tile,
+                              lambda i, j, p: (layer, i, j) + at(p))
   rows_spec = pl.BlockSpec((None, None, g, t, h), lambda i, j, p: (i, j, 0, 0, 0))
   out = pl.pallas_call(
-      functools.partial(_tpu_kernel, scale=h ** -0.5),
+      functools.partial(_tpu_kernel, scale=h ** -0.5, slots_minor=slots_minor),
       out_shape=jax.ShapeDtypeStruct((b, kv, g, t, h), values.dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=0,
@@ -437,7 +449,7 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
   def fused_with(kernel):
     @jax.custom_vjp
     def fused(q, k_cache, v_cache, mask):
-      if kernel is tpu_kernel_attention:  # before any shard_map: one cast for all layers
+      if kernel is not kernel_attention:  # before any shard_map: one cast for all layers
         mask = mask.astype(jnp.int8)
       if placed is None:
         return kernel(q, k_cache, v_cache, mask, layer)
@@ -460,7 +472,8 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
   if applies(q, k_cache, mask):
     kernels["cuda"] = fused_with(kernel_attention)
   if tpu_applies(q, k_cache, mask):
-    kernels["tpu"] = fused_with(tpu_kernel_attention)
+    kernels["tpu"] = fused_with(functools.partial(
+        tpu_kernel_attention, slots_minor=q.shape[-1] < 128))
   if not kernels:
     return plain(q, k_cache, v_cache, mask)
   return jax.lax.platform_dependent(q, k_cache, v_cache, mask, default=plain, **kernels)
