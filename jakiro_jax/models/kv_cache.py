@@ -96,7 +96,7 @@ def on_row_shares(fn: Callable, k: jax.Array, v: jax.Array, lengths: jax.Array, 
     return fn(k, v, lengths, *rest)
   mesh, cache_spec = placed
   kv = cache_spec(k.shape)
-  axes = dict(zip(("layers", "rows", "heads"), tuple(kv) + (None,) * 3))
+  axes = tree_attention.cache_axes(kv)
   rest_specs = tuple(P(*(axes[a] if a else None for a in names)) for names in rest_axes)
   return jax.shard_map(fn, mesh=mesh, in_specs=(kv, kv, P(axes["rows"])) + rest_specs,
                        out_specs=(kv, kv), check_vma=False)(k, v, lengths, *rest)

@@ -303,6 +303,13 @@ def _xla_keeps_scores_up_to(device_kind: str | None) -> int:
   return XLA_KEEPS_SCORES_ON_LITE_CHIPS if lite else 0
 
 
+def cache_axes(cache_spec) -> dict:
+  """The mesh axes (an entry of a PartitionSpec) that a stacked cache `[L, B, K, S, H]`
+  placed by `cache_spec` splits its "layers", batch "rows" and kv "heads" over."""
+  spec = tuple(cache_spec) + (None,) * 3
+  return dict(zip(("layers", "rows", "heads"), spec[:3]))
+
+
 def _devices_sharing(k_cache: jax.Array) -> int:
   """Devices among which the program being traced splits a stacked cache's batch rows and
   kv heads (1 on one device)."""
@@ -310,8 +317,8 @@ def _devices_sharing(k_cache: jax.Array) -> int:
   if placed is None:
     return 1
   mesh, cache_spec = placed
-  spec = tuple(cache_spec(k_cache.shape)) + (None,) * 5
-  names = [n for entry in spec[1:3] if entry is not None
+  axes = cache_axes(cache_spec(k_cache.shape))
+  names = [n for entry in (axes["rows"], axes["heads"]) if entry is not None
            for n in (entry if isinstance(entry, tuple) else (entry,))]
   return math.prod(mesh.shape[n] for n in names)
 
@@ -425,8 +432,8 @@ def sharded_kernel_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
   caches (stacked `[L, B, K, S, H]` or one layer's `[B, K, S, H]`) split as `cache_spec`
   (a PartitionSpec of the stacked shape) splits them, q `[B, T, K, G, H]` and its output
   alike, the mask `[B, T, S]` by rows. Layers, slots and head dim stay whole."""
-  spec = tuple(cache_spec) + (None,) * (5 - len(cache_spec))
-  rows, heads = spec[1], spec[2]
+  axes = cache_axes(cache_spec)
+  rows, heads = axes["rows"], axes["heads"]
   q_spec = P(rows, None, heads, None, None)
   kv_spec = P(None, rows, heads, None, None) if k_cache.ndim == 5 else P(rows, heads)
   run = functools.partial(kernel or kernel_attention, layer=layer, interpret=interpret)
