@@ -203,7 +203,8 @@ def write_kv(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array,
   Several rows on a TPU are written the same way, row by row (`_write_rows`): one
   scatter over the batch wants the cache in another layout than the TPU keeps it in
   (slots-minor at head dim under 128 lanes; Qwen2.5-14B's 128 on a v5p-8 too), so XLA
-  copied the whole stacked cache there and back every forward. Elsewhere several rows are one scatter (on a GPU, B blocks would be B kernels)."""
+  copied the whole stacked cache there and back every forward. Elsewhere several rows are
+  one scatter (on a GPU, B blocks would be B kernels)."""
   k_new, v_new = k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype)
   if contiguous and k_new.shape[0] == 1:
     start = cache.lengths[0]

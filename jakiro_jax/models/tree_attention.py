@@ -264,6 +264,7 @@ TPU_MAX_ROWS = 1024  # G x T' query rows of a (batch row, kv head) a TPU program
 
 
 def _padded_to(n: int, multiple: int) -> int:
+  # `batching.round_up`'s sum; models may not import the speculative layer
   return -(-n // multiple) * multiple
 
 
