@@ -392,6 +392,14 @@ def test_report_command_writes_and_resumes(tmp_path):
   assert round_row["bytes_must_read"] >= round_row["bytes_floor"]
   assert projection["moved_over_must_read"] == pytest.approx(
       round_row["bytes_moved"] / round_row["bytes_must_read"])
+  # the least time: hand-counted arithmetic at peak or the must-read bytes at bandwidth
+  peaks = aot.platform("v5e:2x2").peaks
+  assert 0 < round_row["flops_must"] <= round_row["flops"]
+  assert round_row["floor_s"] == pytest.approx(max(
+      round_row["flops_must"] / peaks["bf16_flops"],
+      round_row["bytes_must_read"] / peaks["hbm_bw"]))
+  assert projection["round_over_floor"] == pytest.approx(
+      round_row["roofline"]["roofline_s"] / round_row["floor_s"])
   assert (tmp_path / "small" / "report.md").read_text().count(
       "| round lookup config b1 |") == 2
   lines.clear()
@@ -656,3 +664,34 @@ def test_batched_tpu_step_and_round_write_the_cache_in_place(program_name):
     with aot.quiet_native_stderr():
       moved = aot.hbm_bytes(program.lower().compile().as_text())
     assert moved <= 1.10 * program.floor_bytes(), (moved, program.floor_bytes())
+
+
+def test_hand_count_of_flops_follows_calls_branches_scans_and_shards():
+  """`reads.matmul_flops`: 2 M N K a matmul, through a jit, the cheaper branch of a cond,
+  a scan's every iteration, a shard_map's share times its devices, and a Pallas call's
+  own estimate; element-wise work is not counted."""
+  from jax.sharding import PartitionSpec as P
+  from jakiro_jax.models import tree_attention
+  from jakiro_jax.reports import reads
+  import jax.numpy as jnp
+  mesh = jax.make_mesh((1,), ("x",), devices=jax.devices("cpu")[:1])
+  x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
+  matmul = 2 * 8 * 16 * 32
+
+  def program(x, w):
+    y = jax.jit(lambda a, b: jnp.tanh(a @ b))(x, w)  # [8, 32]
+    y = jax.lax.cond(y.sum() > 0, lambda v: v @ w.T @ w, lambda v: v * 2.0, y)
+    y, _ = jax.lax.scan(lambda c, _: (c @ w.T @ w, None), y, None, length=3)
+    return jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P(), P()),
+                         out_specs=P())(x, w) + y
+
+  assert reads.matmul_flops(jax.make_jaxpr(program)(x, w)) == matmul + 0 + 3 * 2 * matmul + matmul
+  # the tree-attention kernels (traced, not lowered): their estimates, 4 B K G T S H
+  q = jnp.ones((2, 4, 2, 3, 128), jnp.bfloat16)  # [B, T, K, G, H]
+  cache = jnp.ones((2, 2, 512, 128), jnp.bfloat16)
+  mask = jnp.ones((2, 4, 512), bool)
+  tpu = jax.make_jaxpr(tree_attention.tpu_kernel_attention)(q, cache, cache, mask)
+  assert reads.matmul_flops(tpu) == 4 * 2 * 2 * 3 * 4 * 512 * 128
+  gpu = jax.make_jaxpr(tree_attention.kernel_attention)(q, cache, cache, mask)
+  rows = tree_attention._rows_padded(3 * 4)  # the GPU kernel's padded query rows
+  assert reads.matmul_flops(gpu) == 4 * 2 * 2 * rows * 512 * 128

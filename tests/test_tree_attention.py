@@ -202,13 +202,19 @@ def test_batched_tpu_verify_keeps_the_scores_on_chip(device, chips, head_dim):
   config = TPU_CONFIG.replace(head_dim=head_dim)
   kernel = 'custom_call_target="tpu_custom_call"'
   with aot.quiet_native_stderr():
-    fused = programs.forward_program(config, mesh, 8, 60, 2048).lower().compile()
+    fused_exe = programs.forward_program(config, mesh, 8, 60, 2048).lower().compile()
     program = programs.forward_program(config, mesh, 8, 60, 2048)
     with (sharding.tracing_for([x.sharding for x in jax.tree.leaves(program.args)]),
           tree_attention.fused_tree_attention(False)):
-      plain = program.fn.lower(*program.args).compile().as_text()
-    fused = fused.as_text()
+      plain_exe = program.fn.lower(*program.args).compile()
+    fused, plain = fused_exe.as_text(), plain_exe.as_text()
   assert fused.count(kernel) == config.num_layers
+  # XLA counts the kernel's arithmetic by its cost estimate (without it, a Pallas call
+  # is no flops: this verify's attention is 3/4 of its arithmetic)
+  attention = 4 * 8 * 60 * 2048 * config.num_heads * head_dim * config.num_layers // chips
+  with_kernel, with_xla = aot.cost_of(fused_exe)["flops"], aot.cost_of(plain_exe)["flops"]
+  assert with_kernel > attention
+  assert 0.97 * with_xla <= with_kernel <= with_xla, (with_kernel, with_xla)
   assert plain.count(kernel) == 0
   cache = config.num_layers * 8 * config.num_kv_heads * 2048 * head_dim * 2 // chips
   assert not cache_relayouts(fused, cache)
@@ -222,25 +228,32 @@ CONFIG = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
                      dtype="bfloat16")
 
 
-def _verify_hlo(devices: int, kernel: bool = True) -> str:
+def _verify(devices: int, kernel: bool = True):
   gpu = aot.platform("h100", devices)
   mesh = sharding.make_mesh((1, 1, devices), devices=gpu.devices)
   program = programs.forward_program(CONFIG, mesh, 1, 16, 512)  # a 16-node verify
   with aot.quiet_native_stderr(), tree_attention.fused_tree_attention(kernel):
-    return program.fn.lower(*program.args).compile().as_text()
+    return program.fn.lower(*program.args).compile()
 
 
 def test_verify_uses_the_kernel_on_one_h100_and_on_several():
   kernel = 'custom_call_target="__gpu$xla.gpu.triton"'
-  one = _verify_hlo(1)
+  one_exe, plain_exe = _verify(1), _verify(1, kernel=False)
+  one = one_exe.as_text()
   # 2 kv heads x 2 blocks of 32 of the 64 rows: 4 programs, so the slots are split and a
   # second kernel combines the parts, in each layer
   assert tree_attention.slot_splits(4, 512) == 4
   assert one.count(kernel) == 2 * CONFIG.num_layers
   # The scores stay on chip: at least their f32 write and read a layer less.
   scores = CONFIG.num_heads * 16 * 512 * 4
-  saved = aot.hbm_bytes(_verify_hlo(1, kernel=False)) - aot.hbm_bytes(one)
+  saved = aot.hbm_bytes(plain_exe.as_text()) - aot.hbm_bytes(one)
   assert saved >= 2 * scores * CONFIG.num_layers, saved
+  # XLA's counter sees no flops in a Triton call; the report adds the kernel's, its 64
+  # padded rows (8 heads x 16 tokens, 2 kv heads x 32) over 512 slots a layer
+  kernels = 4 * 2 * 64 * 512 * CONFIG.head_dim * CONFIG.num_layers
+  assert aot.attention_kernel_flops(one) == kernels
+  assert aot.attention_kernel_flops(plain_exe.as_text()) == 0
+  assert aot.cost_of(one_exe)["flops"] >= 0.97 * aot.cost_of(plain_exe)["flops"]
   # Over 2 H100s (a kv head each; `Program.lower` decides as generate does), and over 4
   # with the batch's 2 rows split too: the kernel runs on each device's share, and each
   # device's scores (half the heads) stay on chip.

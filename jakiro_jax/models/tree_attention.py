@@ -193,6 +193,19 @@ def _combine_kernel(acc_ref, top_ref, total_ref, o_ref):
   o_ref[...] = out.astype(o_ref.dtype)
 
 
+def attention_cost(q_shape: tuple[int, ...], slots: int, itemsize: int) -> pl.CostEstimate:
+  """What a kernel's attention over `slots` cache slots does for queries `[B, T, K, G, H]`:
+  two matmuls of 2 x T x S x H flops per query head, an exp per score, and one read of
+  the queries, one layer of K and V and the mask, one write of the output. XLA's cost
+  analysis counts a TPU kernel by it (a Pallas call is otherwise 0 flops to it; Triton's
+  lowering drops it), and so does the compile report's hand count (`reports/reads.py`)."""
+  b, t, kv, g, h = q_shape
+  queries = b * t * kv * g * h * itemsize
+  return pl.CostEstimate(
+      flops=4 * b * kv * g * t * slots * h, transcendentals=b * kv * g * t * slots,
+      bytes_accessed=2 * queries + 2 * b * kv * slots * h * itemsize + b * t * slots)
+
+
 def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      layer: int | None = None, interpret: bool = False) -> jax.Array:
   """q `[B, T, K, G, H]`, keys / values `[B, K, S, H]` (or stacked `[L, B, K, S, H]`,
@@ -238,6 +251,7 @@ def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
       out_specs=out_specs,
       compiler_params=_TRITON_PARAMS(num_warps=4, num_stages=2),
       interpret=interpret,
+      cost_estimate=attention_cost((b, rows, kv, 1, h), s, values.dtype.itemsize),
       name=KERNEL_NAME if layer is None else STACKED_KERNEL_NAME,
   )(q_rows, keys, values, mask_rows)
   if splits > 1:
@@ -420,6 +434,7 @@ def tpu_kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask:
           dimension_semantics=("parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=tpu_vmem_bytes(g, t, h, block)),
       interpret=interpret,
+      cost_estimate=attention_cost(q.shape, s, values.dtype.itemsize),
       name=KERNEL_NAME if layer is None else STACKED_KERNEL_NAME,
   )(q.transpose(0, 2, 3, 1, 4), keys, values, mask.astype(jnp.int8))  # bool: int32
   return out.transpose(0, 3, 1, 2, 4)

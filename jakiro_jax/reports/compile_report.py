@@ -274,17 +274,30 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
       bytes_floor=program.floor_bytes(), hlo=hlo,
       # a loop's passes would count its body once: the floor of its step is the step's
       bytes_must_read=None if looped else program.must_read_bytes(traced=traced),
+      flops_must=None if looped else program.must_compute_flops(traced=traced),
       kernels_per_step=kernels if platform.is_gpu else None,
       launches_per_step=launches if platform.is_gpu else None,
       roofline=aot.roofline_s(cost["flops"], moved, launches if platform.is_gpu else 0,
                               graphed if platform.is_gpu else 0, peaks))
   if looped:
     row["roofline"]["note"] = "loop: flops and bytes count the prefill and one loop body"
+  else:
+    row["floor_s"] = floor_s(row["flops_must"], row["bytes_must_read"], peaks)
   return row
+
+
+def floor_s(flops: float, must_read: float, peaks: Mapping) -> float:
+  """The least time a program can take on this device: its hand-counted arithmetic at
+  peak or its must-read bytes at full bandwidth, whichever is longer."""
+  return max(flops / peaks["bf16_flops"], must_read / peaks["hbm_bw"])
 
 
 def _gb(count: int | None) -> str:
   return "-" if count is None else f"{count / 1e9:.2f}"
+
+
+def _ms(seconds: float | None) -> str:
+  return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
 
 def projections(rows: Sequence[Mapping], tau: Mapping | None = None) -> list[dict]:
@@ -308,7 +321,10 @@ def projections(rows: Sequence[Mapping], tau: Mapping | None = None) -> list[dic
                 # how far the round is from what its steps must read (rows kept from
                 # reports without the count have none)
                 "moved_over_must_read": (r["bytes_moved"] / r["bytes_must_read"]
-                                         if r.get("bytes_must_read") else None)})
+                                         if r.get("bytes_must_read") else None),
+                # how far its roofline is from the least time it can take (`floor_s`)
+                "round_over_floor": (r["roofline"]["roofline_s"] / r["floor_s"]
+                                     if r.get("floor_s") else None)})
   return out
 
 
@@ -454,19 +470,21 @@ def markdown(report: Mapping) -> str:
       "on chip up to five times; floor: every argument read once, embedding tables not "
       "(the hand count); must read: each argument as many times as the computation "
       "passes over it (a round's head and draft layer once per draft step, its caches "
-      "once per forward; not for loops). Launches: host launches per step under XLA's "
-      "default command buffers.",
+      "once per forward; not for loops); must compute: the hand count of its matmuls and "
+      "kernels split evenly over the devices (element-wise work left out); floor ms: the "
+      "least time, max(must compute / peak, must read / bandwidth). Launches: host "
+      "launches per step under XLA's default command buffers.",
       "",
       "| program | fits | peak GiB / device | args | temp | GFLOP | GB moved | XLA counter "
-      "| floor | must read | roofline ms | bound | collectives (outside loop) | in loop body | "
-      "kernels / step | launches / step |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| floor | must read | must compute GFLOP | roofline ms | bound | floor ms | "
+      "collectives (outside loop) | in loop body | kernels / step | launches / step |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in report["rows"]:
     if "memory" not in r:
       lines.append(f"| {r['key']} | {r['status']}: {r.get('error', '')} "
                    f"{'' if not r.get('over_bytes') else _gib(r['over_bytes']) + ' GiB over'}"
-                   f" |||||||||||||||")
+                   f" |||||||||||||||||")
       continue
     m, h, roof = r["memory"], r["hlo"], r["roofline"]
     kernels, launches = r.get("kernels_per_step"), r.get("launches_per_step")
@@ -475,8 +493,9 @@ def markdown(report: Mapping) -> str:
         f"| {_gib(m['peak'])} | {_gib(m['arguments'])} | {_gib(m['temporaries'])} "
         f"| {r['flops'] / 1e9:.1f} | {r['bytes_moved'] / 1e9:.2f} | {r['bytes'] / 1e9:.2f} "
         f"| {r['bytes_floor'] / 1e9:.2f} | {_gb(r.get('bytes_must_read'))} "
-        f"| {roof['roofline_s'] * 1e3:.3f} "
-        f"| {roof['bound']} | {_collectives(h['collectives'])} "
+        f"| {_gb(r.get('flops_must'))} | {roof['roofline_s'] * 1e3:.3f} | {roof['bound']} "
+        f"| {_ms(r.get('floor_s'))} "
+        f"| {_collectives(h['collectives'])} "
         f"| {_collectives(h['collectives_in_loop'])} | {'-' if kernels is None else kernels} "
         f"| {'-' if launches is None else launches} |")
   # Training under FSDP gathers its weights by design; elsewhere a whole weight
@@ -497,14 +516,16 @@ def markdown(report: Mapping) -> str:
     lines += ["", "Projection (roofline of a round / roofline of an AR step, same batch; "
               "speedup = the given tau / that cost):", "",
               "| round | nodes | round ms | AR step ms | round in AR steps | tau | "
-              "projected speedup | GB moved / must read |", "|---|---|---|---|---|---|---|---|"]
+              "projected speedup | GB moved / must read | round ms / floor ms |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for x in report["projections"]:
       speed = "-" if x["projected_speedup"] is None else f"{x['projected_speedup']:.2f}x"
       tau = "-" if x["tau"] is None else f"{x['tau']:.2f}"
-      over = x.get("moved_over_must_read")
+      over, slow = x.get("moved_over_must_read"), x.get("round_over_floor")
       lines.append(f"| {x['round']} | {x['tree_nodes']} | {x['round_s'] * 1e3:.3f} | "
                    f"{x['ar_step_s'] * 1e3:.3f} | {x['round_in_ar_steps']:.2f} | {tau} | "
-                   f"{speed} | {'-' if over is None else f'{over:.2f}'} |")
+                   f"{speed} | {'-' if over is None else f'{over:.2f}'} "
+                   f"| {'-' if slow is None else f'{slow:.2f}'} |")
   if report.get("pruned_prefill"):
     lines += ["", "Pruned prefill (compiled figure / the dense prefill's, same tokens and "
               "batch; blocks FLOPs: the method's own count over the blocks alone):", "",

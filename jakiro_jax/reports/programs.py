@@ -87,6 +87,12 @@ class Program:
         per_device[device.id] = per_device.get(device.id, 0) + shard * max(n, float(whole))
     return int(max(per_device.values()))
 
+  def must_compute_flops(self, blocks: int = VOCAB_BLOCKS, traced=None) -> float:
+    """The floor of the arithmetic per device: the hand count of the traced program's
+    matmuls and kernels (`reads.matmul_flops`) split evenly over its devices."""
+    devices = set().union(*(x.sharding.device_set for x in jax.tree.leaves(self.args)))
+    return reads.matmul_flops((traced or self.trace(blocks)).jaxpr) / len(devices)
+
   def _read_once(self) -> list[bool]:
     """Per argument leaf: whether the inputs-once floor counts it (all but the embedding
     tables that a lookup only takes rows of)."""

@@ -136,3 +136,46 @@ def argument_reads(closed_jaxpr) -> list[float]:
   totals: dict[int, float] = {}
   _walk(jaxpr, [(i, 1.0) for i in range(len(jaxpr.invars))], totals)
   return [totals.get(i, 0.0) for i in range(len(jaxpr.invars))]
+
+
+def _dot_flops(eqn) -> float:
+  """2 x the output's elements x the contracted size."""
+  (contract, _), _ = eqn.params["dimension_numbers"]
+  lhs = eqn.invars[0].aval.shape
+  return 2.0 * _size(eqn.outvars[0]) * math.prod(lhs[d] for d in contract)
+
+
+def _flops(jaxpr) -> float:
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    name, params = eqn.primitive.name, eqn.params
+    if name == "dot_general":
+      total += _dot_flops(eqn)
+    elif name == "pallas_call":  # the kernels say what they do
+      estimate = params.get("cost_estimate")
+      total += float(estimate.flops) if estimate is not None else 0.0
+    elif name == "cond":  # a platform's alternatives compute the same: the cheapest
+      total += min(_flops(_jaxpr(b)) for b in params["branches"])
+    elif name == "while":  # its trip count is not in the program: the body once
+      total += _flops(_jaxpr(params["body_jaxpr"]))
+    elif name == "scan":
+      total += params["length"] * _flops(_jaxpr(params["jaxpr"]))
+    elif name == "shard_map":  # the body is one device's share: every device runs it
+      mesh, axes = params["mesh"], params.get("newly_manual_axes") or params["mesh"].axis_names
+      total += math.prod(mesh.shape[a] for a in axes) * _flops(_jaxpr(params["jaxpr"]))
+    else:
+      inner = [params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in params]
+      if len(inner) == 1 and hasattr(_jaxpr(inner[0]), "eqns"):
+        total += _flops(_jaxpr(inner[0]))
+  return total
+
+
+def matmul_flops(closed_jaxpr) -> float:
+  """The hand count of a traced program's arithmetic, all devices together: its matmuls
+  (2 x M x N x K) and its Pallas kernels' own estimates (`pl.CostEstimate`: the tree
+  attention's two products), through calls, `cond` (the cheapest branch: a platform's
+  alternatives, e.g. the attention kernels and XLA's expression, do the same), `scan` (every
+  iteration) and `shard_map` (each device's share times the devices); element-wise work
+  is left out, and a `while` body counts once. Split over the devices it is the least
+  arithmetic any device of them can do."""
+  return _flops(_jaxpr(closed_jaxpr))
