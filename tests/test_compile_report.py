@@ -272,6 +272,11 @@ ENTRY %main () -> f32[] {
   roof = aot.roofline_s(2e12, 1e9, 10, 100, aot.PEAKS["h100"])
   assert roof["bound"] == "compute"
   assert math.isclose(roof["roofline_s"], 2e12 / 989.4e12 + 10 * 4e-6 + 100 * 1e-6)
+  assert roof["serial_s"] == roof["roofline_s"]  # nothing counted apart
+  apart = aot.roofline_s(2e12, 1e9, 10, 100, aot.PEAKS["h100"], bytes_without_arithmetic=4e8)
+  assert math.isclose(apart["serial_s"] - apart["roofline_s"], 4e8 / aot.PEAKS["h100"]["hbm_bw"])
+  memory_bound = aot.roofline_s(1e9, 1e9, 0, 0, aot.PEAKS["h100"], bytes_without_arithmetic=4e8)
+  assert math.isclose(memory_bound["serial_s"], memory_bound["roofline_s"])
 
 
 def test_launches_under_default_command_buffers():
@@ -347,6 +352,9 @@ ENTRY %main (table: bf16[1000,64], ids: s32[4], cache: bf16[100,64], at: s32[], 
               + 64 * 64 * 2  # the prefetch reads the weight once
               + (rows + rows))  # the product reads the weight on chip: no HBM
   assert aot.hbm_bytes(text) == expected
+  # what no matmul hides: all but the product and the prefetch beside it
+  assert aot.analyze_hlo(text)["bytes_without_arithmetic"] == (
+      expected - 64 * 64 * 2 - 2 * rows)
 
 
 def test_a_slice_from_device_memory_onto_the_chip_counts_its_read():
@@ -400,6 +408,8 @@ def test_report_command_writes_and_resumes(tmp_path):
       round_row["bytes_must_read"] / peaks["hbm_bw"]))
   assert projection["round_over_floor"] == pytest.approx(
       round_row["roofline"]["roofline_s"] / round_row["floor_s"])
+  assert projection["serial_over_floor"] >= projection["round_over_floor"]
+  assert 0 < round_row["hlo"]["bytes_without_arithmetic"] < round_row["bytes_moved"]
   assert (tmp_path / "small" / "report.md").read_text().count(
       "| round lookup config b1 |") == 2
   lines.clear()

@@ -503,6 +503,24 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
 
   traffic = _Traffic(module)
 
+  def arithmetic(computation: str, seen: set[str]) -> bool:
+    """Whether a fused computation does a matmul (at any depth)."""
+    seen.add(computation)
+    return any(ins.opcode in _MATMULS or any(
+        c not in seen and arithmetic(c, seen) for c in ins.called)
+               for ins in module.computations.get(computation, []))
+
+  def without_arithmetic(names) -> int:
+    """Bytes of the kernels that do no matmul and are no prefetch running beside one
+    (norms, residual adds, collectives, sorts, copies): time a program spends moving
+    memory that its matmuls' arithmetic need not hide."""
+    return sum(traffic.kernel(name, ins) for name in names
+               for ins in module.computations[name]
+               if launches(ins) and ins.opcode not in _PREFETCH
+               and ins.opcode not in _MATMULS and ins.opcode != "custom-call"
+               and not (ins.opcode == "fusion" and ins.called
+                        and arithmetic(ins.called[0], set())))
+
   def kernel_kinds(names) -> tuple[dict[str, int], dict[str, int]]:
     """(kernels by kind (`kind_of`), device-memory bytes by kind (`hbm_bytes`' count:
     where a program's traffic over its floor goes)), each most first."""
@@ -565,6 +583,7 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
       "launches_per_iteration": launches_in_loop,
       "graphed_kernels_per_iteration": graphed_in_loop,
       "bytes_moved": traffic.total(),
+      "bytes_without_arithmetic": without_arithmetic(outside | in_loop),
       "weight_all_gathers": weight_gathers,
   }
 
@@ -581,6 +600,7 @@ _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> operand holdi
 # opcode -> the destination among its result arrays (the other one is the source)
 _PREFETCH = {"copy-start": 0, "slice-start": 1}
 _SAME_BUFFER = {"bitcast", "reshape"}
+_MATMULS = {"convolution", "dot"}
 
 
 def _hbm(arrays: list[tuple[int, int]]) -> int:
@@ -727,13 +747,17 @@ def hbm_bytes(text: str) -> int:
 
 
 def roofline_s(flops: float, bytes_accessed: float, launches: int, graphed_kernels: int,
-               peaks: Mapping) -> dict:
+               peaks: Mapping, bytes_without_arithmetic: float = 0.0) -> dict:
   """max(flops / peak, bytes / bandwidth), plus on a GPU the launch overhead: each host
   launch (a kernel, or a command buffer holding many) costs launch_s, and each kernel
-  inside a command buffer graph_node_s."""
+  inside a command buffer graph_node_s. `serial_s` runs the kernels that do no
+  arithmetic (`bytes_without_arithmetic`) after the rest instead of under it: where the
+  roofline is compute-bound, the time they would add if nothing overlapped them."""
   compute = flops / peaks["bf16_flops"]
   memory = bytes_accessed / peaks["hbm_bw"]
+  apart = bytes_without_arithmetic / peaks["hbm_bw"]
   launch = launches * peaks["launch_s"] + graphed_kernels * peaks["graph_node_s"]
   return {"compute_s": compute, "memory_s": memory, "launch_s": launch,
           "bound": "compute" if compute > memory else "memory",
-          "roofline_s": max(compute, memory) + launch}
+          "roofline_s": max(compute, memory) + launch,
+          "serial_s": max(compute, memory - apart) + apart + launch}

@@ -278,7 +278,8 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
       kernels_per_step=kernels if platform.is_gpu else None,
       launches_per_step=launches if platform.is_gpu else None,
       roofline=aot.roofline_s(cost["flops"], moved, launches if platform.is_gpu else 0,
-                              graphed if platform.is_gpu else 0, peaks))
+                              graphed if platform.is_gpu else 0, peaks,
+                              hlo["bytes_without_arithmetic"]))
   if looped:
     row["roofline"]["note"] = "loop: flops and bytes count the prefill and one loop body"
   else:
@@ -324,7 +325,11 @@ def projections(rows: Sequence[Mapping], tau: Mapping | None = None) -> list[dic
                                          if r.get("bytes_must_read") else None),
                 # how far its roofline is from the least time it can take (`floor_s`)
                 "round_over_floor": (r["roofline"]["roofline_s"] / r["floor_s"]
-                                     if r.get("floor_s") else None)})
+                                     if r.get("floor_s") else None),
+                # and with the kernels that do no arithmetic run apart (`serial_s`)
+                "serial_over_floor": (r["roofline"]["serial_s"] / r["floor_s"]
+                                      if r.get("floor_s") and "serial_s" in r["roofline"]
+                                      else None)})
   return out
 
 
@@ -472,8 +477,10 @@ def markdown(report: Mapping) -> str:
       "passes over it (a round's head and draft layer once per draft step, its caches "
       "once per forward; not for loops); must compute: the hand count of its matmuls and "
       "kernels split evenly over the devices (element-wise work left out); floor ms: the "
-      "least time, max(must compute / peak, must read / bandwidth). Launches: host "
-      "launches per step under XLA's default command buffers.",
+      "least time, max(must compute / peak, must read / bandwidth); serial: the roofline "
+      "with the kernels that do no matmul (norms, collectives, sorts, copies) run after "
+      "the rest, not under it. Launches: host launches per step under XLA's default "
+      "command buffers.",
       "",
       "| program | fits | peak GiB / device | args | temp | GFLOP | GB moved | XLA counter "
       "| floor | must read | must compute GFLOP | roofline ms | bound | floor ms | "
@@ -516,16 +523,17 @@ def markdown(report: Mapping) -> str:
     lines += ["", "Projection (roofline of a round / roofline of an AR step, same batch; "
               "speedup = the given tau / that cost):", "",
               "| round | nodes | round ms | AR step ms | round in AR steps | tau | "
-              "projected speedup | GB moved / must read | round ms / floor ms |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "projected speedup | GB moved / must read | round / floor | serial / floor |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    ratio = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     for x in report["projections"]:
       speed = "-" if x["projected_speedup"] is None else f"{x['projected_speedup']:.2f}x"
       tau = "-" if x["tau"] is None else f"{x['tau']:.2f}"
-      over, slow = x.get("moved_over_must_read"), x.get("round_over_floor")
       lines.append(f"| {x['round']} | {x['tree_nodes']} | {x['round_s'] * 1e3:.3f} | "
                    f"{x['ar_step_s'] * 1e3:.3f} | {x['round_in_ar_steps']:.2f} | {tau} | "
-                   f"{speed} | {'-' if over is None else f'{over:.2f}'} "
-                   f"| {'-' if slow is None else f'{slow:.2f}'} |")
+                   f"{speed} | {ratio(x.get('moved_over_must_read'))} "
+                   f"| {ratio(x.get('round_over_floor'))} "
+                   f"| {ratio(x.get('serial_over_floor'))} |")
   if report.get("pruned_prefill"):
     lines += ["", "Pruned prefill (compiled figure / the dense prefill's, same tokens and "
               "batch; blocks FLOPs: the method's own count over the blocks alone):", "",
