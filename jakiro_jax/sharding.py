@@ -248,6 +248,17 @@ def whole_features(x: jax.Array) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def placed_as(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """`x` placed by the rule table as an array of these logical axes is, within a program
+  traced over several devices (`tracing_for`); else as it is. For values a program makes
+  that stand for a placed argument (an lm_head's rows gathered once per call), which
+  GSPMD would otherwise replicate on every device."""
+  mesh = _PROGRAM_MESH.get()
+  if mesh is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_sharding(logical_axes, x.shape, mesh))
+
+
 def jit_with_shardings(fn, static: dict, in_shardings, out_shardings,
                        donate_argnums: tuple[int, ...] = ()):
   """`jax.jit` of `fn` with its static keyword arguments bound and its positional ones

@@ -36,7 +36,10 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=1,
 # depth 2 keeps the unrolled draft loop (and its compilations) small; Gumiho: 1 serial
 # step + 1 MLP level, pool 2 * 2 + 1 * 2 = 6 nodes; Jakiro*: a static tree of the same sizes.
 TREE = dict(top_k=2, depth=2, total_tokens=6)
-DRAFT_OPTIONS = {"eagle2": {}, "jakiro": {}, "gumiho": dict(mlp_num=1, mlp_topk=2, pruning=2),
+# EAGLE-2 drafts from 64 of the 128 tokens: its lm_head rows gathered once a call, split
+# over the devices as the head is.
+DRAFT_OPTIONS = {"eagle2": dict(draft_vocab=tuple(range(0, 128, 2))), "jakiro": {},
+                 "gumiho": dict(mlp_num=1, mlp_topk=2, pruning=2),
                  "jakiro_star": dict(choices=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))}
 
 

@@ -17,6 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jakiro_jax import sharding
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import project_rows
 from jakiro_jax.speculative.sampling import SamplingConfig
@@ -45,8 +46,9 @@ class TargetHead:
     if lm_head is None:
       lm_head = embedding if target_config.tie_word_embeddings else params["lm_head"]
     rows = None
-    if draft_vocab:
-      rows = jnp.take(lm_head, jnp.asarray(draft_vocab, jnp.int32), axis=0)
+    if draft_vocab:  # split over the devices as the head is: each draft step reads them
+      rows = sharding.placed_as(jnp.take(lm_head, jnp.asarray(draft_vocab, jnp.int32),
+                                         axis=0), sharding.HEAD_AXES)
     return cls(embedding=embedding, lm_head=lm_head, draft_rows=rows)
 
   def embed(self, tokens: jax.Array) -> jax.Array:
