@@ -17,7 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jakiro_jax import sharding
+import jakiro_jax.sharding as sharding
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import project_rows
 from jakiro_jax.speculative.sampling import SamplingConfig
