@@ -251,8 +251,8 @@ def test_verify_uses_the_kernel_on_one_h100_and_on_several():
   # XLA's counter sees no flops in a Triton call; the report adds the kernel's, its 64
   # padded rows (8 heads x 16 tokens, 2 kv heads x 32) over 512 slots a layer
   kernels = 4 * 2 * 64 * 512 * CONFIG.head_dim * CONFIG.num_layers
-  assert aot.attention_kernel_flops(one) == kernels
-  assert aot.attention_kernel_flops(plain_exe.as_text()) == 0
+  assert aot.attention_kernel_flops(aot.parse_hlo(one)) == kernels
+  assert aot.attention_kernel_flops(aot.parse_hlo(plain_exe.as_text())) == 0
   assert aot.cost_of(one_exe)["flops"] >= 0.97 * aot.cost_of(plain_exe)["flops"]
   # Over 2 H100s (a kv head each; `Program.lower` decides as generate does), and over 4
   # with the batch's 2 rows split too: the kernel runs on each device's share, and each

@@ -193,17 +193,21 @@ def _combine_kernel(acc_ref, top_ref, total_ref, o_ref):
   o_ref[...] = out.astype(o_ref.dtype)
 
 
-def attention_cost(q_shape: tuple[int, ...], slots: int, itemsize: int) -> pl.CostEstimate:
-  """What a kernel's attention over `slots` cache slots does for queries `[B, T, K, G, H]`:
-  two matmuls of 2 x T x S x H flops per query head, an exp per score, and one read of
-  the queries, one layer of K and V and the mask, one write of the output. XLA's cost
-  analysis counts a TPU kernel by it (a Pallas call is otherwise 0 flops to it; Triton's
-  lowering drops it), and so does the compile report's hand count (`reports/reads.py`)."""
-  b, t, kv, g, h = q_shape
-  queries = b * t * kv * g * h * itemsize
+def attention_cost(batch: int, kv: int, rows: int, slots: int, head_dim: int,
+                   itemsize: int, mask_rows: int | None = None) -> pl.CostEstimate:
+  """What a kernel's attention does for `rows` query rows (G x T, padded as the kernel
+  runs them) of each (batch row, kv head) over `slots` cache slots: two matmuls of 2 x
+  rows x slots x head_dim flops, an exp per score, one read of the queries, one layer of
+  K and V and the int8 mask `[B, mask_rows, S]` (default `rows`), one write of the
+  output. XLA's cost analysis counts a TPU kernel by it (a Pallas call is otherwise 0
+  flops to it; Triton's lowering drops it), and so does the compile report's hand count
+  (`reports/reads.py`)."""
+  queries = batch * kv * rows * head_dim * itemsize
+  scores = batch * kv * rows * slots
   return pl.CostEstimate(
-      flops=4 * b * kv * g * t * slots * h, transcendentals=b * kv * g * t * slots,
-      bytes_accessed=2 * queries + 2 * b * kv * slots * h * itemsize + b * t * slots)
+      flops=4 * scores * head_dim, transcendentals=scores,
+      bytes_accessed=2 * queries + 2 * batch * kv * slots * head_dim * itemsize
+      + batch * (rows if mask_rows is None else mask_rows) * slots)
 
 
 def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
@@ -251,7 +255,7 @@ def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
       out_specs=out_specs,
       compiler_params=_TRITON_PARAMS(num_warps=4, num_stages=2),
       interpret=interpret,
-      cost_estimate=attention_cost((b, rows, kv, 1, h), s, values.dtype.itemsize),
+      cost_estimate=attention_cost(b, kv, rows, s, h, values.dtype.itemsize),
       name=KERNEL_NAME if layer is None else STACKED_KERNEL_NAME,
   )(q_rows, keys, values, mask_rows)
   if splits > 1:
@@ -434,7 +438,8 @@ def tpu_kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask:
           dimension_semantics=("parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=tpu_vmem_bytes(g, t, h, block)),
       interpret=interpret,
-      cost_estimate=attention_cost(q.shape, s, values.dtype.itemsize),
+      cost_estimate=attention_cost(b, kv, g * t, s, h, values.dtype.itemsize,
+                                   mask_rows=t),
       name=KERNEL_NAME if layer is None else STACKED_KERNEL_NAME,
   )(q.transpose(0, 2, 3, 1, 4), keys, values, mask.astype(jnp.int8))  # bool: int32
   return out.transpose(0, 3, 1, 2, 4)

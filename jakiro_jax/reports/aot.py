@@ -247,11 +247,13 @@ def platform(device: str, devices: int = 1, log_path: str | None = None) -> Plat
 
 # ----------------------------------------------------------------------- costs
 
-def cost_of(compiled) -> dict[str, float]:
+def cost_of(compiled, parsed: HloModule | None = None) -> dict[str, float]:
   """{'flops', 'bytes'} of a compiled program. TPU executables count themselves; the GPU
   route has no cost analysis, so XLA's generic counter runs over the optimized module
   (private APIs: `hlo_module_cost_analysis`; a JAX upgrade that moves them is an
-  AotUnavailable naming them). While-loop bodies are counted once."""
+  AotUnavailable naming them), and the attention kernels' flops, which it does not see,
+  are added from `parsed` (`parse_hlo` of `compiled.as_text()`, parsed here if not
+  given). While-loop bodies are counted once."""
   analysis = None
   try:
     analysis = compiled.cost_analysis()
@@ -273,23 +275,21 @@ def cost_of(compiled) -> dict[str, float]:
           f"Compiled._executable.xla_extension_executable().hlo_modules()): {e}") from None
     # XLA's generic counter counts a Triton call as no flops (a TPU's counts the Pallas
     # call's cost estimate)
-    analysis = dict(analysis, flops=analysis.get("flops", 0.0)
-                    + attention_kernel_flops(compiled.as_text()))
+    analysis = dict(analysis, flops=analysis.get("flops", 0.0) + attention_kernel_flops(
+        parsed or parse_hlo(compiled.as_text())))
   return {"flops": float(analysis.get("flops", 0.0)),
           "bytes": float(analysis.get("bytes accessed", 0.0))}
 
 
-def attention_kernel_flops(text: str) -> int:
-  """Flops of the tree-attention GPU kernels in an optimized HLO module (loop bodies
-  once): 4 x B x K x rows x S x H each, from its queries `[B, K, rows, H]` and its K
-  operand `[(L,) B, K, S, H]` (`tree_attention.attention_cost`)."""
-  module = parse_hlo(text)
+def attention_kernel_flops(module: HloModule) -> int:
+  """Flops of the tree-attention GPU kernels in a parsed optimized HLO module (loop
+  bodies once): 4 x B x K x rows x S x H each, from its queries `[B, K, rows, H]` and its
+  K operand `[(L,) B, K, S, H]` (`tree_attention.attention_cost`)."""
   flops = 0
   for computation in module.control(module.entry):
     names = {ins.name: ins for ins in module.computations[computation]}
     for ins in module.computations[computation]:
-      if ins.opcode != "custom-call" or not re.search(
-          rf'name = "({_KV_KERNEL}|{_STACKED_KV_KERNEL})"', ins.text):
+      if _attention_kernel(ins) is None:
         continue
       q, keys = (names.get(op) for op in ins.operands[:2])
       if q is None or keys is None or not q.result_shapes or not keys.result_shapes:
@@ -465,13 +465,15 @@ def collective_kind(module: HloModule, ins: Instruction) -> str | None:
   return None
 
 
-def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) -> dict:
+def analyze_hlo(text: str | HloModule,
+                weight_shapes: set[tuple[int, ...]] = frozenset()) -> dict:
   """What the optimized per-device HLO does: collectives by kind (and their bytes),
   outside and inside the entry's loop bodies; kernels and host launches (XLA's default
   command buffers) outside the loops and per loop iteration (GPU); the bytes it moves
   (`hbm_bytes`); and all-gathers whose result has the shape of a whole weight
-  (`weight_shapes`: the unsharded parameter shapes), each marked inside a loop or not."""
-  module = parse_hlo(text)
+  (`weight_shapes`: the unsharded parameter shapes), each marked inside a loop or not.
+  `text`: the module's text, or the module parsed (`parse_hlo`)."""
+  module = text if isinstance(text, HloModule) else parse_hlo(text)
   loops = [ins for ins in module.computations[module.entry] if ins.opcode == "while"]
   in_loop = set().union(*(module.control(c) for ins in loops for c in ins.called))
   outside = module.control(module.entry) - in_loop
@@ -593,7 +595,17 @@ def analyze_hlo(text: str, weight_shapes: set[tuple[int, ...]] = frozenset()) ->
 # in its op name on a TPU) takes the stacked K and V caches `[L, ...]` whole and reads one
 # layer of each.
 _STACKED_KV_KERNEL = "tree_attention_stacked"
-_KV_KERNEL = "tree_attention"
+_KERNEL_NAMES = re.compile(r'name = "(tree_attention(?:_stacked)?)"'  # Triton's config
+                           r'|op_name="[^"]*/(tree_attention(?:_stacked)?)/pallas_call"')
+
+
+def _attention_kernel(ins: Instruction) -> str | None:
+  """The tree-attention kernel's name if `ins` is one of its calls, else None."""
+  if ins.opcode != "custom-call":
+    return None
+  match = _KERNEL_NAMES.search(ins.text)
+  return (match.group(1) or match.group(2)) if match else None
+
 # Ops that read only part of their first operand, and ops that update it in place.
 _PARTIAL_READ = {"gather", "dynamic-slice", "slice"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> operand holding the update
@@ -698,9 +710,7 @@ class _Traffic:
         whole = self.operand(computation, op)
         reads += min(partial.get(i, whole), whole)
       return reads + self.fused_writes(ins.called[0], ins)
-    if ins.opcode == "custom-call" and (
-        f'name = "{_STACKED_KV_KERNEL}"' in ins.text  # Triton's config names it
-        or re.search(rf'op_name="[^"]*/{_STACKED_KV_KERNEL}/pallas_call"', ins.text)):
+    if _attention_kernel(ins) == _STACKED_KV_KERNEL:
       return self._stacked_kv_kernel(computation, ins)
     if ins.opcode in _PARTIAL_READ:  # reads what it takes from its operand, writes it
       taken = sum(n for n, _ in ins.arrays)

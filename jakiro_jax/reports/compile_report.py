@@ -254,8 +254,9 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
   if hlo_path:
     with open(hlo_path, "w") as f:
       f.write(text)
-  hlo = aot.analyze_hlo(text, program.weight_shapes())
-  cost = aot.cost_of(compiled)
+  module = aot.parse_hlo(text)  # once, for the counts below
+  hlo = aot.analyze_hlo(module, program.weight_shapes())
+  cost = aot.cost_of(compiled, module)
   moved = hlo.pop("bytes_moved")
   looped = program.name in GENERATION_LOOPS
   if looped:  # per step of the generation loop

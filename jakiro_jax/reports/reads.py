@@ -1,5 +1,6 @@
 """How many times a program's computation must read each of its arguments, counted on its
-traced jaxpr: the compile report's floor that knows a round's steps depend on each other.
+traced jaxpr: the compile report's floor that knows a round's steps depend on each other;
+and the arithmetic it must do (`matmul_flops`), its floor beside it.
 
 A speculative round reads the draft's layer and the head once per draft step and the
 caches once per forward: steps that wait on each other's output cannot share a pass over
