@@ -217,6 +217,67 @@ def test_train_step_compiles_with_its_optimizer(platform):
   assert "all-gather" in kinds and kinds & {"all-reduce", "reduce-scatter"}, kinds
 
 
+def test_a_windowed_einsum_counts_as_one_matmul_of_its_trip_count():
+  """XLA:TPU writes a matmul and its reduce-scatter as a counted loop of chunks passed on
+  by collective-permutes (a windowed einsum): counted `trip count` times where it runs,
+  not as a loop of the program; its trip count is read from the counter when XLA does
+  not write it; a reduce-scatter fused with its all-reduce is a reduce-scatter."""
+  text = """HloModule m, entry_computation_layout={()->f32[]}
+
+%fused (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%p)
+}
+
+%all-reduce-scatter (x: f32[8]) -> f32[2] {
+  %x = f32[8]{0} parameter(0)
+  %a = f32[8]{0} all-reduce(%x), replica_groups={}, to_apply=%add
+  ROOT %s = f32[2]{0} slice(%a), slice={[0:2]}
+}
+
+%windowed_dot_general_body_rs (s: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %s = (u32[], f32[8]{0}) parameter(0)
+  %i = u32[] get-tuple-element(%s), index=0
+  %x = f32[8]{0} get-tuple-element(%s), index=1
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  %cp = (f32[8]{0}, f32[8]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%f), source_target_pairs={{0,1},{1,0}}
+  %cd = f32[8]{0} collective-permute-done(%cp)
+  %two = u32[] constant(2)
+  %next = u32[] add(%i, %two)
+  ROOT %t = (u32[], f32[8]{0}) tuple(%next, %cd)
+}
+
+%windowed_dot_general_cond_rs (s: (u32[], f32[8])) -> pred[] {
+  %s = (u32[], f32[8]{0}) parameter(0)
+  %i = u32[] get-tuple-element(%s), index=0
+  %c = u32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+ENTRY %main () -> f32[] {
+  %zero = u32[] constant(0)
+  %zc = u32[] copy(%zero)
+  %v = f32[8]{0} constant({0,0,0,0,0,0,0,0})
+  %z = (u32[], f32[8]{0}) tuple(%zc, %v)
+  %w = (u32[], f32[8]{0}) while(%z), condition=%windowed_dot_general_cond_rs, body=%windowed_dot_general_body_rs
+  %g = f32[8]{0} get-tuple-element(%w), index=1
+  %rs = f32[2]{0} fusion(%g), kind=kCustom, calls=%all-reduce-scatter
+  ROOT %o = f32[] fusion(%rs), kind=kLoop, calls=%fused
+}
+"""
+  module = aot.parse_hlo(text)
+  (loop,) = [i for i in module.computations[module.entry] if i.opcode == "while"]
+  assert aot.windowed_einsum(loop) and module.trip_count(module.entry, loop) == 4
+  result = aot.analyze_hlo(module)
+  assert result["loops"] == 0 and result["collectives_in_loop"] == {}
+  assert result["collectives"] == {"collective-permute": {"count": 4, "bytes": 4 * 32},
+                                   "reduce-scatter": {"count": 1, "bytes": 8}}
+  assert result["kernel_kinds_outside_loop"]["f"] == 4
+  # the negate's 64 bytes four times, the permutes' 32 in and 32 out four times, ...
+  assert result["bytes_by_kernel_kind_outside_loop"]["f"] == 4 * 64
+  assert result["bytes_moved"] == sum(result["bytes_by_kernel_kind_outside_loop"].values())
+
+
 def test_hlo_reader_counts_loops_collectives_and_kernels():
   text = """HloModule m, entry_computation_layout={()->f32[]}
 
@@ -725,3 +786,37 @@ def test_the_loops_drafting_rows_are_split_as_the_head_is():
             for _, dims in ins.result_shapes]
   assert (1024 // 4, config.hidden_size) in shapes
   assert (1024, config.hidden_size) not in shapes
+
+
+def test_a_large_forward_keeps_its_residual_stream_split_over_tensor(monkeypatch):
+  """Sequence parallelism: a forward of 16 x 64 tokens on a tensor-parallel v5e:2x2 meets
+  each row-parallel matmul's partial sums in a reduce-scatter, runs its norms on a
+  quarter of the rows per chip and gathers no weight; the replicated stream (the code
+  before) all-reduces and runs them on every row on every chip. (At these sizes the
+  activations stay on chip, so the bytes do not show it; the batch-64 rounds of
+  docs/compile_report.md do.)"""
+  plat = aot.platform("v5e:2x2", 1)
+  mesh = sharding.make_mesh((1, 1, 4), devices=plat.devices)
+  config = tiny()
+
+  def hlo(min_tokens, tokens=64):
+    monkeypatch.setattr(sharding, "SEQUENCE_PARALLEL_MIN_TOKENS", min_tokens)
+    text = compiled(programs.forward_program(config, mesh, 16, tokens, 128))[0].as_text()
+    module = aot.parse_hlo(text)
+    norm_rows = {ins.result_shapes[-1][1][0] for name in module.control(module.entry)
+                 for ins in module.computations[name]
+                 if ins.opcode == "fusion" and "/post_attention_norm/" in ins.text}
+    return aot.analyze_hlo(module, programs.forward_program(
+        config, mesh, 16, tokens, 128).weight_shapes()), norm_rows
+
+  (split, split_rows), (replicated, replicated_rows) = hlo(1024), hlo(10 ** 9)
+  # the embedding's sum and each layer's two projections
+  assert split["collectives"]["reduce-scatter"]["count"] == 1 + 2 * config.num_layers
+  assert "all-reduce" not in split["collectives"]
+  assert replicated["collectives"]["all-reduce"]["count"] == 1 + 2 * config.num_layers
+  assert "reduce-scatter" not in replicated["collectives"]
+  assert split["weight_all_gathers"] == [] == replicated["weight_all_gathers"]
+  assert split_rows == {16 // 4} and replicated_rows == {16}
+  # a decode step's 16 tokens stay as they were
+  step, step_rows = hlo(1024, tokens=1)
+  assert "reduce-scatter" not in step["collectives"] and step_rows == {16}

@@ -30,6 +30,7 @@ METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
 # (each extra mesh is another set of compilations).
 MESHES_OF = {"ar": MESHES, "eagle2": MESHES, "jakiro": [(2, 2, 2)],
              "jakiro_star": [(2, 2, 2)], "gumiho": [(2, 2, 2)]}
+SEQUENCE_PARALLEL_MESHES = [(1, 1, 8), (2, 2, 2)]
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=1,
             num_heads=8, num_kv_heads=4, head_dim=8, rope_theta=1000.0,
             max_position_embeddings=256)
@@ -101,6 +102,32 @@ def generate_worker() -> dict:
         continue
       result = generate(target, drafter, params, prompts, new_tokens, mesh=mesh)
       out["tokens"][f"{method} {key}"] = result.tokens
+  # Sequence parallelism on every call, down to one token a row (a real run keeps it
+  # for calls of `SEQUENCE_PARALLEL_MIN_TOKENS`), with tensor splits of 8 and 2.
+  default_min_tokens, token_specs = sharding.SEQUENCE_PARALLEL_MIN_TOKENS, sharding.token_specs
+  sharding.SEQUENCE_PARALLEL_MIN_TOKENS = 1
+  sharding._JITS.clear()  # the threshold is read when a program is traced
+  jax.clear_caches()
+  out["splits"] = 0
+
+  def counted(*args, **kwargs):
+    specs = token_specs(*args, **kwargs)
+    out["splits"] += specs is not None
+    return specs
+  sharding.token_specs = counted
+  drafter = make_drafter("eagle2", target.config, TreeConfig(**TREE),
+                         **DRAFT_OPTIONS["eagle2"])
+  draft_params = jax.jit(drafter.init_params)(jax.random.PRNGKey(1))
+  for key in SEQUENCE_PARALLEL_MESHES:
+    mesh = sharding.make_mesh(key)
+    placed = sharding.shard_target(target, mesh)
+    features = generate_ar(placed, prompts, new_tokens, mesh=mesh, feature_layers=()).features
+    out["feature_error"][f"{key} sp"] = max(float(np.abs(a - b).max())
+                                            for a, b in zip(features, reference_features))
+    out["tokens"][f"ar {key} sp"] = generate_ar(placed, prompts, new_tokens, mesh=mesh).tokens
+    out["tokens"][f"eagle2 {key} sp"] = generate(target, drafter, draft_params, prompts,
+                                                 new_tokens, mesh=mesh).tokens
+  sharding.SEQUENCE_PARALLEL_MIN_TOKENS, sharding.token_specs = default_min_tokens, token_specs
   return out
 
 
@@ -236,7 +263,12 @@ def test_sharded_generation_gives_the_unsharded_greedy_tokens(workers):
     assert len(reference) == 8 and all(len(row) == 8 for row in reference)
     for mesh in MESHES_OF[method]:
       assert tokens[f"{method} {mesh}"] == reference, (method, mesh)
-  assert set(out["feature_error"]) == {str(m) for m in MESHES}
+  assert out["splits"] > 0
+  for method in ("ar", "eagle2"):  # the target's residual stream split along the tokens
+    for mesh in SEQUENCE_PARALLEL_MESHES:
+      assert tokens[f"{method} {mesh} sp"] == tokens[f"{method} None"], (method, mesh)
+  assert set(out["feature_error"]) == ({str(m) for m in MESHES} |
+                                       {f"{m} sp" for m in SEQUENCE_PARALLEL_MESHES})
   assert max(out["feature_error"].values()) < 1e-4, out["feature_error"]
   # The weights and the cache really were split: query/kv heads over tensor, embed over
   # fsdp; the cache over the batch axes and kv heads (4 heads do not split 8 ways).
@@ -300,6 +332,30 @@ def test_fit_spec_replicates_what_does_not_divide():
                                                                          "tensor")
   assert fit_spec(P(("data", "fsdp"), "tensor"), (2, 4), FakeMesh) == P("data")
   assert fit_spec(P(("data", "fsdp"), "tensor"), (1, 97), FakeMesh) == P()
+
+
+def test_token_specs_split_a_large_call_over_tensor_only():
+  from jax.sharding import PartitionSpec as P
+
+  from jakiro_jax.sharding import token_specs
+
+  class FakeMesh:  # only `.shape` is read
+    shape = {"data": 2, "fsdp": 1, "tensor": 4}
+  whole = P(("data", "fsdp"))
+  # whole rows to each device where the batch divides data x tensor
+  assert token_specs((64, 60, 16), FakeMesh) == (P(("data", "fsdp", "tensor")), whole)
+  # else the tokens, where they divide
+  assert token_specs((2, 1024, 16), FakeMesh) == (P(("data", "fsdp"), "tensor"), whole)
+  assert token_specs((6, 1022, 16), FakeMesh) is None
+  # too few tokens per batch split: a decode step, a small tree
+  assert token_specs((64, 1, 16), FakeMesh) is None
+  assert token_specs((8, 60, 16), FakeMesh) is None
+  assert token_specs((8, 60, 16), FakeMesh, min_tokens=240) == (
+      P(("data", "fsdp", "tensor")), whole)
+
+  class NoTensor:
+    shape = {"data": 8, "fsdp": 1, "tensor": 1}
+  assert token_specs((64, 60, 16), NoTensor) is None
 
 
 def test_every_draft_matrix_splits_over_tensor():

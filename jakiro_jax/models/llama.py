@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jakiro_jax.models.config import (LlamaConfig, rope_attention_factor,
                                      rope_inverse_frequencies)
 from jakiro_jax.kernels import small_rows
-from jakiro_jax.models import tree_attention
+from jakiro_jax.models import placement, tree_attention
 from jakiro_jax.models.kv_cache import KVCache, for_each_row, on_row_shares
 
 _INIT_STDDEV = 0.02  # HF initializer_range default
@@ -384,6 +384,10 @@ class DecoderLayer(nn.Module):
   input_norm: bool = True  # EAGLE-style drafts feed the first layer un-normalised
   attn_on: bool = True
   mlp_on: bool = True
+  # Over a mesh, keep `x` split along its tokens between the matmuls when the call is
+  # large (`placement`: sequence parallelism). The target's stack, which takes and gives
+  # the stream whole, sets it; a draft's layer keeps its output's placement as it was.
+  sequence_parallel: bool = False
 
   @nn.compact
   def __call__(self, x, positions, cache, mask, gate=None, write=None,
@@ -391,22 +395,27 @@ class DecoderLayer(nn.Module):
     cfg = self.config
     attn_scale, mlp_scale = _update_scales(gate, x)
     probs = None
+    keep = lambda a: a
+    whole = ((lambda a: None if a is None else placement.tokens_whole(a))
+             if self.sequence_parallel else keep)
+    split = placement.tokens_split if self.sequence_parallel else keep
     if self.attn_on:
       h, inv_rms = x, None
       if self.input_norm:
         h, inv_rms = RMSNorm(cfg.rms_norm_eps, cfg.dtype, deferred=True,
                              name="input_norm")(x)
       h, cache, *probs = Attention(cfg, self.layer, name="attn")(
-          h, positions, cache, mask, write, return_probs, inv_rms)
+          whole(h), positions, cache, mask, write, return_probs, whole(inv_rms))
       probs = probs[0] if return_probs else None
-      x = x + attn_scale(h)
+      x = x + attn_scale(split(h))
     if self.mlp_on:
       # Deferred on one device only (`RMSNorm`'s docstring says why).
       norm = RMSNorm(cfg.rms_norm_eps, cfg.dtype, tree_attention.one_device_program(),
                      name="post_attention_norm")
       h, inv_rms = norm(x) if norm.deferred else (norm(x), None)
-      x = x + mlp_scale(MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype,
-                            cfg.mlp_bias, name="mlp")(h, inv_rms))
+      x = x + mlp_scale(split(
+          MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, cfg.mlp_bias,
+              name="mlp")(whole(h), whole(inv_rms))))
     return (x, cache, probs) if return_probs else (x, cache)
 
 
@@ -449,7 +458,8 @@ class Llama(nn.Module):
         cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.dtype,
         embedding_init=nn.with_logical_partitioning(
             nn.initializers.normal(_INIT_STDDEV), ("vocab", "embed")))
-    self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_layers)]
+    self.layers = [DecoderLayer(cfg, i, sequence_parallel=True)
+                   for i in range(cfg.num_layers)]
     self.final_norm = RMSNorm(cfg.rms_norm_eps, cfg.dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = self.param(
@@ -467,16 +477,19 @@ class Llama(nn.Module):
     Returns `(logits [B, T, V], [B, V] or None, features [B, T, D or len(feature_layers)
     * D], cache)`.
     """
-    x = self.embed(tokens)
+    # Whole first: a vocab-split table's rows meet in one all-reduce (split at once,
+    # GSPMD would gather the table).
+    x = placement.tokens_split(placement.tokens_whole(self.embed(tokens)))
     taken = {}
     for i, layer in enumerate(self.layers):
       if i in self.feature_layers:
         taken[i] = x
       x, cache = layer(x, positions, cache, mask)
     taken[len(self.layers)] = x
-    normed = self.final_norm(x)
+    normed = placement.tokens_whole(self.final_norm(x))
     taken[-1] = normed
-    features = (jnp.concatenate([taken[i] for i in self.feature_layers], axis=-1)
+    features = (jnp.concatenate([placement.tokens_whole(taken[i])
+                                 for i in self.feature_layers], axis=-1)
                 if self.feature_layers else normed)
     if logits_at is not None:
       logits = self.logits(normed[jnp.arange(normed.shape[0]), logits_at])

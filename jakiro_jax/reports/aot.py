@@ -359,6 +359,8 @@ class Instruction:
     of which the results."""
     shapes = [(dtype, tuple(int(d) for d in dims.split(",") if d))
               for dtype, dims, _ in _ARRAY.findall(self.result)]
+    if self.opcode == "collective-permute-start" and len(shapes) > 2:
+      return shapes[1:2]  # (operand, result, two u32 contexts)
     if self.opcode.endswith("-start") and len(shapes) > 1:
       shapes = shapes[len(shapes) // 2:]
     return shapes
@@ -385,10 +387,79 @@ class Instruction:
     return int(match.group(1)) if match else None
 
 
+def windowed_einsum(ins: Instruction) -> bool:
+  """Whether `ins` is a loop XLA wrote in place of one matmul and its collective (a
+  windowed einsum: the matmul in chunks, each passed on by a collective-permute while the
+  next is computed), not a loop of the program."""
+  return ins.opcode == "while" and any("windowed_dot_general" in c for c in ins.called)
+
+
 @dataclasses.dataclass
 class HloModule:
   computations: dict[str, list[Instruction]]
   entry: str
+
+  def _defined(self, computation: str, name: str) -> Instruction | None:
+    return next((i for i in self.computations.get(computation, []) if i.name == name), None)
+
+  def _constant(self, computation: str, name: str) -> int | None:
+    """The integer a scalar constant (through copies) holds, else None."""
+    ins = self._defined(computation, name)
+    while ins is not None and ins.opcode == "copy" and ins.operands:
+      ins = self._defined(computation, ins.operands[0])
+    match = ins is not None and ins.opcode == "constant" and re.search(
+        r"constant\((-?\d+)\)", ins.text)
+    return int(match.group(1)) if match else None
+
+  def trip_count(self, computation: str, loop: Instruction) -> int | None:
+    """How many times `loop` (a while of `computation`) runs its body: XLA's
+    `known_trip_count`, else read from a counted loop: the condition compares element i
+    of its state with a constant (<), the body adds a constant to it, the state starts
+    from a constant."""
+    if loop.trip_count is not None:
+      return loop.trip_count
+    condition = next((c for c in loop.called if "cond" in c), None)
+    body = next((c for c in loop.called if c != condition), None)
+    root = next((i for i in self.computations.get(condition, []) if i.is_root), None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.text:
+      return None
+    counter, limit = (self._defined(condition, op) for op in root.operands[:2])
+    index = counter is not None and re.search(r"index=(\d+)", counter.text)
+    if not index or limit is None:
+      return None
+    index, limit = int(index.group(1)), self._constant(condition, limit.name)
+    body_root = next((i for i in self.computations.get(body, []) if i.is_root), None)
+    step = (self._defined(body, body_root.operands[index])
+            if body_root is not None and len(body_root.operands) > index else None)
+    step = (next((self._constant(body, op) for op in step.operands
+                  if self._constant(body, op) is not None), None)
+            if step is not None and step.opcode == "add" else None)
+    state = self._defined(computation, loop.operands[0]) if loop.operands else None
+    start = (self._constant(computation, state.operands[index])
+             if state is not None and state.opcode == "tuple"
+             and len(state.operands) > index else None)
+    if None in (limit, step, start) or step <= 0:
+      return None
+    return max(0, -(-(limit - start) // step))
+
+  def runs(self, start: str) -> dict[str, int]:
+    """`start` and what it runs as control flow (`control`), each with the times it runs
+    per run of `start`: a windowed einsum's body and condition its trip count (it is
+    one matmul of the program), any other loop's once (a loop of the program: its
+    counts are per iteration)."""
+    times: dict[str, int] = {}
+
+    def visit(name: str, count: int):
+      if name not in self.computations or times.get(name, 0) >= count:
+        return
+      times[name] = count
+      for ins in self.computations[name]:
+        if ins.opcode in ("while", "conditional", "call"):
+          trips = (self.trip_count(name, ins) or 1) if windowed_einsum(ins) else 1
+          for called in ins.called:
+            visit(called, count * trips)
+    visit(start, 1)
+    return times
 
   def control(self, start: str) -> set[str]:
     """`start` and what it runs as control flow (loop bodies and conditions, branches,
@@ -453,15 +524,17 @@ def parse_hlo(text: str) -> HloModule:
 
 def collective_kind(module: HloModule, ins: Instruction) -> str | None:
   """'all-reduce' for all-reduce / all-reduce-start / an async-start wrapping one; None
-  for the -done halves and everything else."""
+  for the -done halves and everything else. A TPU writes a reduce-scatter as a fusion
+  of an all-reduce and the slice it keeps (`calls=%all-reduce-scatter`): 'reduce-scatter'."""
   for kind in COLLECTIVES:
     if ins.opcode in (kind, kind + "-start"):
       return kind
-  if ins.opcode == "async-start":
+  if ins.opcode in ("async-start", "fusion"):
     for name in ins.called:
       for inner in module.computations.get(name, []):
         if inner.opcode in COLLECTIVES:
-          return inner.opcode
+          return ("reduce-scatter" if ins.opcode == "fusion" and inner.opcode == "all-reduce"
+                  and name.startswith("all-reduce-scatter") else inner.opcode)
   return None
 
 
@@ -474,19 +547,25 @@ def analyze_hlo(text: str | HloModule,
   (`weight_shapes`: the unsharded parameter shapes), each marked inside a loop or not.
   `text`: the module's text, or the module parsed (`parse_hlo`)."""
   module = text if isinstance(text, HloModule) else parse_hlo(text)
-  loops = [ins for ins in module.computations[module.entry] if ins.opcode == "while"]
-  in_loop = set().union(*(module.control(c) for ins in loops for c in ins.called))
-  outside = module.control(module.entry) - in_loop
+  # The program's loops; a windowed einsum is one matmul, counted with what runs it.
+  loops = [ins for ins in module.computations[module.entry]
+           if ins.opcode == "while" and not windowed_einsum(ins)]
+  in_loop: dict[str, int] = {}
+  for ins in loops:
+    for c in ins.called:
+      in_loop.update(module.runs(c))
+  outside = {name: times for name, times in module.runs(module.entry).items()
+             if name not in in_loop}
 
-  def collectives(names) -> dict[str, dict[str, int]]:
+  def collectives(names: dict[str, int]) -> dict[str, dict[str, int]]:
     counts: dict[str, dict[str, int]] = {}
-    for name in names:
+    for name, times in names.items():
       for ins in module.computations[name]:
         kind = collective_kind(module, ins)
         if kind:
           entry = counts.setdefault(kind, {"count": 0, "bytes": 0})
-          entry["count"] += 1
-          entry["bytes"] += ins.result_bytes
+          entry["count"] += times
+          entry["bytes"] += times * ins.result_bytes
     return counts
 
   def launches(ins: Instruction) -> bool:
@@ -516,7 +595,7 @@ def analyze_hlo(text: str | HloModule,
     """Bytes of the kernels that do no matmul and are no prefetch running beside one
     (norms, residual adds, collectives, sorts, copies): time a program spends moving
     memory that its matmuls' arithmetic need not hide."""
-    return sum(traffic.kernel(name, ins) for name in names
+    return sum(times * traffic.kernel(name, ins) for name, times in names.items()
                for ins in module.computations[name]
                if launches(ins) and ins.opcode not in _PREFETCH
                and ins.opcode not in _MATMULS and ins.opcode != "custom-call"
@@ -528,12 +607,12 @@ def analyze_hlo(text: str | HloModule,
     where a program's traffic over its floor goes)), each most first."""
     counts: dict[str, int] = {}
     moved: dict[str, int] = {}
-    for name in names:
+    for name, times in names.items():
       for ins in module.computations[name]:
         if launches(ins):
           kind = kind_of(ins)
-          counts[kind] = counts.get(kind, 0) + 1
-          moved[kind] = moved.get(kind, 0) + traffic.kernel(name, ins)
+          counts[kind] = counts.get(kind, 0) + times
+          moved[kind] = moved.get(kind, 0) + times * traffic.kernel(name, ins)
     most_first = lambda d: dict(sorted(((k, v) for k, v in d.items() if v),  # noqa: E731
                                        key=lambda kv: (-kv[1], kv[0])))
     return most_first(counts), most_first(moved)
@@ -543,7 +622,7 @@ def analyze_hlo(text: str | HloModule,
     command buffers: a run of at least GRAPH_MIN_KERNELS capturable kernels is one
     launch, every other kernel one."""
     total, graphed = 0, 0
-    for name in names:
+    for name, times in names.items():
       run = 0
       for ins in module.computations[name] + [None]:
         if ins is not None and not launches(ins):
@@ -552,10 +631,10 @@ def analyze_hlo(text: str | HloModule,
           run += 1
           continue
         if run >= GRAPH_MIN_KERNELS:
-          total, graphed = total + 1, graphed + run
+          total, graphed = total + times, graphed + times * run
         else:
-          total += run
-        total += ins is not None
+          total += times * run
+        total += times * (ins is not None)
         run = 0
     return total, graphed
 
@@ -566,7 +645,7 @@ def analyze_hlo(text: str | HloModule,
   weight_gathers = [
       {"shapes": [list(dims) for _, dims in ins.result_shapes if dims in weight_shapes],
        "in_loop": name in in_loop}
-      for name in sorted(in_loop | outside) for ins in module.computations[name]
+      for name in sorted(set(in_loop) | set(outside)) for ins in module.computations[name]
       if collective_kind(module, ins) == "all-gather"
       and any(dims in weight_shapes for _, dims in ins.result_shapes)]
   return {
@@ -735,13 +814,15 @@ class _Traffic:
     return total
 
   def total(self) -> int:
-    return sum(self.kernel(name, ins) for name in self.module.control(self.module.entry)
+    return sum(times * self.kernel(name, ins)
+               for name, times in self.module.runs(self.module.entry).items()
                for ins in self.module.computations[name])
 
 
 def hbm_bytes(text: str) -> int:
   """Bytes the program moves to and from device memory, counted kernel by kernel over
-  its optimized HLO (loop bodies once, as XLA's counter does). Where XLA's generic
+  its optimized HLO (the program's loop bodies once, as XLA's counter does; a windowed
+  einsum's body its trip count, as it is one matmul of the program: `HloModule.runs`). Where XLA's generic
   counter, which the roofline would otherwise use, counts what no kernel moves:
   - a gather or slice inside a fusion counts the rows it takes, not its whole operand
     (an embedding lookup is not a read of the table);
