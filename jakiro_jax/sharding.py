@@ -58,6 +58,13 @@ HEAD_AXES = ("vocab", "embed")  # an lm_head matrix [V, D]
 # every device; a decode step's few tokens gain nothing and would pay two collectives
 # where one does.
 SEQUENCE_PARALLEL_MIN_TOKENS = 1024
+# Tensor groups of more devices than this keep the stream whole. On an 8-chip v5e or v6e
+# slice (a 2 x 4 torus) XLA kept the attention output projection an all-reduce and
+# sliced its result, so the split made each layer send five hidden states over the links
+# instead of four: a batch-64 round of Llama-3.1-8B on a v6e-8's (1, 1, 8) mesh went from
+# 16.9 to 22.1 ms by the link bound; groups of 4 (a v5p-8, a v5e-4, a v6e-8 as (2, 1, 4))
+# reduce-scatter both projections (docs/compile_report.md).
+SEQUENCE_PARALLEL_MAX_TENSOR = 4
 
 
 def mesh_shape(sizes: Sequence[int], num_devices: int) -> tuple[int, int, int]:
@@ -258,10 +265,11 @@ def whole_features(x: jax.Array) -> jax.Array:
 
 
 def token_specs(shape: Sequence[int], mesh: Mesh, rules=LOGICAL_AXIS_RULES,
-                min_tokens: int | None = None
+                min_tokens: int | None = None, max_tensor: int | None = None
                 ) -> tuple[PartitionSpec, PartitionSpec] | None:
   """(split, whole) PartitionSpecs of activations `[B, T, ...]` on `mesh` for sequence
-  parallelism (`models.placement`), or None where they stay as they are: no tensor axis,
+  parallelism (`models.placement`), or None where they stay as they are: no tensor axis
+  or one of more than `max_tensor` (default `SEQUENCE_PARALLEL_MAX_TENSOR`) devices,
   fewer than `min_tokens` (default `SEQUENCE_PARALLEL_MIN_TOKENS`) tokens per batch
   split, or tokens that do not divide.
 
@@ -269,7 +277,9 @@ def token_specs(shape: Sequence[int], mesh: Mesh, rules=LOGICAL_AXIS_RULES,
   over its axes and the tensor axis where it divides (every device then holds whole
   rows), else the T axis over the tensor devices."""
   tensor = mesh.shape.get("tensor", 1)
-  if tensor == 1 or len(shape) < 2:
+  if max_tensor is None:
+    max_tensor = SEQUENCE_PARALLEL_MAX_TENSOR
+  if not 1 < tensor <= max_tensor or len(shape) < 2:
     return None
   batch_axes = nn.logical_to_mesh_axes(("batch",), rules)[0]
   batch_axes = (() if batch_axes is None else

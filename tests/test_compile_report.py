@@ -222,7 +222,7 @@ def test_a_windowed_einsum_counts_as_one_matmul_of_its_trip_count():
   by collective-permutes (a windowed einsum): counted `trip count` times where it runs,
   not as a loop of the program; its trip count is read from the counter when XLA does
   not write it; a reduce-scatter fused with its all-reduce is a reduce-scatter."""
-  text = """HloModule m, entry_computation_layout={()->f32[]}
+  text = """HloModule m, entry_computation_layout={()->f32[]}, num_partitions=4
 
 %fused (p: f32[8]) -> f32[8] {
   %p = f32[8]{0} parameter(0)
@@ -272,10 +272,35 @@ ENTRY %main () -> f32[] {
   assert result["loops"] == 0 and result["collectives_in_loop"] == {}
   assert result["collectives"] == {"collective-permute": {"count": 4, "bytes": 4 * 32},
                                    "reduce-scatter": {"count": 1, "bytes": 8}}
+  # sent over the links: each permute its buffer, the reduce-scatter its n - 1 = 3 other
+  # shards of 8 bytes (a group of all 4 devices: `replica_groups={}`)
+  assert module.partitions == 4 and result["link_bytes"] == 4 * 32 + 3 * 8
   assert result["kernel_kinds_outside_loop"]["f"] == 4
   # the negate's 64 bytes four times, the permutes' 32 in and 32 out four times, ...
   assert result["bytes_by_kernel_kind_outside_loop"]["f"] == 4 * 64
   assert result["bytes_moved"] == sum(result["bytes_by_kernel_kind_outside_loop"].values())
+
+
+def test_link_bytes_follow_each_collectives_group():
+  """Bytes a device sends for a collective, from its group in each of XLA's spellings:
+  an all-reduce of 64 bytes over 4 devices sends 2 x 3/4 of them, over 2 devices 1 x 1/2."""
+  text = """HloModule m, entry_computation_layout={()->f32[16]}, num_partitions=8
+
+ENTRY %main () -> f32[16] {
+  %x = f32[16]{0} constant({0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0})
+  %a = f32[16]{0} all-reduce(%x), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %b = f32[16]{0} all-reduce(%a), replica_groups=[4,2]<=[8], to_apply=%add
+  %c = f32[16]{0} all-reduce(%b), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
+  %d = f32[16]{0} all-gather(%c), replica_groups={}, dimensions={0}
+  ROOT %e = f32[16]{0} all-reduce(%d), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}, to_apply=%add
+}
+"""
+  module = aot.parse_hlo(text)
+  sizes = {i.name: aot.group_size(module, i) for i in module.computations[module.entry]
+           if aot.collective_kind(module, i)}
+  assert sizes == {"a": 4, "b": 2, "c": 4, "d": 8, "e": 8}
+  assert aot.analyze_hlo(module)["link_bytes"] == (2 * 3 / 4 + 1 + 2 * 3 / 4 + 7 / 8
+                                                   + 2 * 7 / 8) * 64
 
 
 def test_hlo_reader_counts_loops_collectives_and_kernels():
@@ -338,6 +363,11 @@ ENTRY %main () -> f32[] {
   assert math.isclose(apart["serial_s"] - apart["roofline_s"], 4e8 / aot.PEAKS["h100"]["hbm_bw"])
   memory_bound = aot.roofline_s(1e9, 1e9, 0, 0, aot.PEAKS["h100"], bytes_without_arithmetic=4e8)
   assert math.isclose(memory_bound["serial_s"], memory_bound["roofline_s"])
+  # what the devices send each other bounds the time too
+  v6e = aot.PEAKS["v6e"]
+  linked = aot.roofline_s(1e12, 1e9, 0, 0, v6e, link_bytes=1e9)
+  assert linked["bound"] == "links" and math.isclose(linked["roofline_s"], 1e9 / v6e["link_bw"])
+  assert linked["links_s"] > linked["compute_s"] > linked["memory_s"]
 
 
 def test_launches_under_default_command_buffers():

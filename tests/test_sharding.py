@@ -105,7 +105,8 @@ def generate_worker() -> dict:
   # Sequence parallelism on every call, down to one token a row (a real run keeps it
   # for calls of `SEQUENCE_PARALLEL_MIN_TOKENS`), with tensor splits of 8 and 2.
   default_min_tokens, token_specs = sharding.SEQUENCE_PARALLEL_MIN_TOKENS, sharding.token_specs
-  sharding.SEQUENCE_PARALLEL_MIN_TOKENS = 1
+  default_max_tensor = sharding.SEQUENCE_PARALLEL_MAX_TENSOR
+  sharding.SEQUENCE_PARALLEL_MIN_TOKENS, sharding.SEQUENCE_PARALLEL_MAX_TENSOR = 1, 8
   sharding._JITS.clear()  # the threshold is read when a program is traced
   jax.clear_caches()
   out["splits"] = 0
@@ -128,6 +129,7 @@ def generate_worker() -> dict:
     out["tokens"][f"eagle2 {key} sp"] = generate(target, drafter, draft_params, prompts,
                                                  new_tokens, mesh=mesh).tokens
   sharding.SEQUENCE_PARALLEL_MIN_TOKENS, sharding.token_specs = default_min_tokens, token_specs
+  sharding.SEQUENCE_PARALLEL_MAX_TENSOR = default_max_tensor
   return out
 
 
@@ -356,6 +358,12 @@ def test_token_specs_split_a_large_call_over_tensor_only():
   class NoTensor:
     shape = {"data": 8, "fsdp": 1, "tensor": 1}
   assert token_specs((64, 60, 16), NoTensor) is None
+
+  class WideTensor:  # more tensor devices than SEQUENCE_PARALLEL_MAX_TENSOR
+    shape = {"data": 1, "fsdp": 1, "tensor": 8}
+  assert token_specs((64, 60, 16), WideTensor) is None
+  assert token_specs((64, 60, 16), WideTensor, max_tensor=8) == (
+      P(("data", "fsdp", "tensor")), P(("data", "fsdp")))
 
 
 def test_every_draft_matrix_splits_over_tensor():

@@ -27,7 +27,8 @@ from typing import Any, Mapping
 
 # Peak figures per chip / card. Every number the roofline uses is here, with its source.
 #   bf16_flops: dense bf16 matmul FLOP/s; hbm_bw: bytes/s; hbm_bytes: memory per device;
-#   link_bw: bytes/s one way out of a device over the fast interconnect (NVLink / ICI);
+#   link_bw: bytes/s one way out of a device over the fast interconnect (NVLink / ICI;
+#     half the published both-ways figure), every link of the device together;
 #   launch_s: one launch from the host (a kernel, or a command buffer of many; GPU only);
 #   graph_node_s: each kernel inside a command buffer (GPU only).
 PEAKS: dict[str, dict[str, Any]] = {
@@ -52,7 +53,7 @@ PEAKS: dict[str, dict[str, Any]] = {
         name="TPU v4", bf16_flops=275e12, hbm_bw=1.2e12, hbm_bytes=32 * 2**30,
         link_bw=2400e9 / 8 / 2, launch_s=0.0, graph_node_s=0.0,
         source="cloud.google.com/tpu/docs/v4 (275 TFLOPS bf16, 32 GiB HBM2 at 1,200 GB/s "
-               "per chip)"),
+               "per chip, ICI 2,400 Gbps per chip)"),
     "v5e": dict(
         name="TPU v5e", bf16_flops=197e12, hbm_bw=819e9, hbm_bytes=16 * 2**30,
         link_bw=1600e9 / 8 / 2, launch_s=0.0, graph_node_s=0.0,
@@ -398,6 +399,7 @@ def windowed_einsum(ins: Instruction) -> bool:
 class HloModule:
   computations: dict[str, list[Instruction]]
   entry: str
+  partitions: int = 1  # devices of the SPMD program (`num_partitions`)
 
   def _defined(self, computation: str, name: str) -> Instruction | None:
     return next((i for i in self.computations.get(computation, []) if i.name == name), None)
@@ -519,7 +521,9 @@ def parse_hlo(text: str) -> HloModule:
                     is_root=stripped.startswith("ROOT")))
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
-  return HloModule(computations, entry)
+  header = next((line for line in text.splitlines() if line.startswith("HloModule")), "")
+  partitions = re.search(r"\bnum_partitions=(\d+)", header)
+  return HloModule(computations, entry, int(partitions.group(1)) if partitions else 1)
 
 
 def collective_kind(module: HloModule, ins: Instruction) -> str | None:
@@ -536,6 +540,50 @@ def collective_kind(module: HloModule, ins: Instruction) -> str | None:
           return ("reduce-scatter" if ins.opcode == "fusion" and inner.opcode == "all-reduce"
                   and name.startswith("all-reduce-scatter") else inner.opcode)
   return None
+
+
+# Bytes a device sends over its links for a collective of n devices, per byte of the
+# collective's result, by the bandwidth-optimal (ring) algorithm: an all-reduce sends its
+# buffer's (n - 1) / n twice (reduce-scatter, then all-gather), an all-gather the
+# (n - 1) / n of its result that others hold, a reduce-scatter its n - 1 other shards, a
+# collective-permute its buffer once.
+_LINK_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+                "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: (n - 1) / n,
+                "collective-permute": lambda n: 1}
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def group_size(module: HloModule, ins: Instruction) -> int:
+  """Devices in each group of a collective (its `replica_groups` in any of XLA's three
+  spellings; none or empty: every device of the program)."""
+  text = ins.text
+  for name in ins.called:  # a fused or async collective: the one inside
+    inner = next((i for i in module.computations.get(name, []) if i.opcode in COLLECTIVES),
+                 None)
+    if inner is not None:
+      text = inner.text
+      break
+  mesh = _MESH_GROUPS.search(text)
+  if mesh:
+    sizes = {k.strip().strip("'"): int(v) for k, v in
+             (part.split("=") for part in mesh.group(1).split(",") if "=" in part)}
+    return math.prod(sizes[a.strip().strip("'")] for a in mesh.group(2).split(",") if a.strip())
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", text)
+  if iota:
+    return int(iota.group(2))
+  listed = re.search(r"replica_groups=\{\{([^}]*)\}", text)
+  if listed:
+    return len(listed.group(1).split(","))
+  return module.partitions
+
+
+def link_bytes(module: HloModule, ins: Instruction) -> float:
+  """Bytes a device sends over its links for one collective (`_LINK_FACTOR`); 0 for
+  anything else."""
+  kind = collective_kind(module, ins)
+  if kind is None:
+    return 0.0
+  return _LINK_FACTOR[kind](group_size(module, ins)) * ins.result_bytes
 
 
 def analyze_hlo(text: str | HloModule,
@@ -648,9 +696,16 @@ def analyze_hlo(text: str | HloModule,
       for name in sorted(set(in_loop) | set(outside)) for ins in module.computations[name]
       if collective_kind(module, ins) == "all-gather"
       and any(dims in weight_shapes for _, dims in ins.result_shapes)]
+
+  def sent(names: dict[str, int]) -> int:
+    return int(sum(times * link_bytes(module, ins) for name, times in names.items()
+                   for ins in module.computations[name]))
+
   return {
       "collectives": collectives(outside),
       "collectives_in_loop": collectives(in_loop),
+      "link_bytes": sent(outside),
+      "link_bytes_in_loop": sent(in_loop),
       "loops": len(loops),
       "loop_trip_counts": [ins.trip_count for ins in loops],
       "kernels_outside_loop": sum(kinds_outside.values()),
@@ -838,17 +893,23 @@ def hbm_bytes(text: str) -> int:
 
 
 def roofline_s(flops: float, bytes_accessed: float, launches: int, graphed_kernels: int,
-               peaks: Mapping, bytes_without_arithmetic: float = 0.0) -> dict:
-  """max(flops / peak, bytes / bandwidth), plus on a GPU the launch overhead: each host
-  launch (a kernel, or a command buffer holding many) costs launch_s, and each kernel
-  inside a command buffer graph_node_s. `serial_s` runs the kernels that do no
-  arithmetic (`bytes_without_arithmetic`) after the rest instead of under it: where the
-  roofline is compute-bound, the time they would add if nothing overlapped them."""
+               peaks: Mapping, bytes_without_arithmetic: float = 0.0,
+               link_bytes: float = 0.0) -> dict:
+  """max(flops / peak, bytes / bandwidth, link bytes / link bandwidth), plus on a GPU the
+  launch overhead: each host launch (a kernel, or a command buffer holding many) costs
+  launch_s, and each kernel inside a command buffer graph_node_s. `link_bytes`: what a
+  device sends to the others for its collectives (`link_bytes`, ring algorithms), at
+  its whole one-way link bandwidth: a bound no collective beats. `serial_s` runs the
+  kernels that do no arithmetic (`bytes_without_arithmetic`) after the rest instead of
+  under it: where the roofline is compute-bound, the time they would add if nothing
+  overlapped them."""
   compute = flops / peaks["bf16_flops"]
   memory = bytes_accessed / peaks["hbm_bw"]
+  links = link_bytes / peaks["link_bw"]
   apart = bytes_without_arithmetic / peaks["hbm_bw"]
   launch = launches * peaks["launch_s"] + graphed_kernels * peaks["graph_node_s"]
-  return {"compute_s": compute, "memory_s": memory, "launch_s": launch,
-          "bound": "compute" if compute > memory else "memory",
-          "roofline_s": max(compute, memory) + launch,
-          "serial_s": max(compute, memory - apart) + apart + launch}
+  times = {"compute": compute, "memory": memory, "links": links}
+  return {"compute_s": compute, "memory_s": memory, "links_s": links, "launch_s": launch,
+          "bound": max(times, key=times.get),
+          "roofline_s": max(times.values()) + launch,
+          "serial_s": max(compute, memory - apart, links) + apart + launch}

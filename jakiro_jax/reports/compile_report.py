@@ -271,6 +271,7 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
   launches = outside * hlo["launches_outside_loop"] + trips * hlo["launches_per_iteration"]
   graphed = (outside * hlo["graphed_kernels_outside_loop"]
              + trips * hlo["graphed_kernels_per_iteration"])
+  sent = outside * hlo["link_bytes"] + trips * hlo["link_bytes_in_loop"]
   row.update(
       status="fits" if memory["peak"] <= peaks["hbm_bytes"] else "does not fit",
       compile_s=time.perf_counter() - started, memory=memory,
@@ -282,9 +283,10 @@ def compile_row(job: Job, platform: aot.Platform, log_path: str | None = None,
       flops_must=flops_must, flops_xla=cost["flops"],
       kernels_per_step=kernels if platform.is_gpu else None,
       launches_per_step=launches if platform.is_gpu else None,
+      link_bytes=sent,
       roofline=aot.roofline_s(flops, moved, launches if platform.is_gpu else 0,
                               graphed if platform.is_gpu else 0, peaks,
-                              hlo["bytes_without_arithmetic"]))
+                              hlo["bytes_without_arithmetic"], sent))
   if looped:
     row["roofline"]["note"] = "loop: flops and bytes count the prefill and one loop body"
   else:
@@ -472,6 +474,7 @@ def markdown(report: Mapping) -> str:
       + (f", {peaks['launch_s'] * 1e6:.0f} us per host launch, "
          f"{peaks['graph_node_s'] * 1e6:.0f} us per kernel in a command buffer"
          if peaks["launch_s"] else "")
+      + f", {peaks['link_bw'] / 1e9:.0f} GB/s out over the links"
       + f" ({peaks['source']}).",
       "",
       "GB moved: device-memory bytes counted kernel by kernel from the optimized HLO "
@@ -484,19 +487,21 @@ def markdown(report: Mapping) -> str:
       "kernels split evenly over the devices (element-wise work left out); floor ms: the "
       "least time, max(must compute / peak, must read / bandwidth); serial: the roofline "
       "with the kernels that do no matmul (norms, collectives, sorts, copies) run after "
-      "the rest, not under it. Launches: host launches per step under XLA's default "
+      "the rest, not under it; link GB: what a device sends to the others for its "
+      "collectives (ring algorithms), which the roofline times at the whole link "
+      "bandwidth (bound: links). Launches: host launches per step under XLA's default "
       "command buffers.",
       "",
       "| program | fits | peak GiB / device | args | temp | GFLOP | GB moved | XLA counter "
-      "| floor | must read | must compute GFLOP | roofline ms | bound | floor ms | "
+      "| floor | must read | must compute GFLOP | link GB | roofline ms | bound | floor ms | "
       "collectives (outside loop) | in loop body | kernels / step | launches / step |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in report["rows"]:
     if "memory" not in r:
       lines.append(f"| {r['key']} | {r['status']}: {r.get('error', '')} "
                    f"{'' if not r.get('over_bytes') else _gib(r['over_bytes']) + ' GiB over'}"
-                   f" |||||||||||||||||")
+                   f" ||||||||||||||||||")
       continue
     m, h, roof = r["memory"], r["hlo"], r["roofline"]
     kernels, launches = r.get("kernels_per_step"), r.get("launches_per_step")
@@ -505,7 +510,8 @@ def markdown(report: Mapping) -> str:
         f"| {_gib(m['peak'])} | {_gib(m['arguments'])} | {_gib(m['temporaries'])} "
         f"| {r['flops'] / 1e9:.1f} | {r['bytes_moved'] / 1e9:.2f} | {r['bytes'] / 1e9:.2f} "
         f"| {r['bytes_floor'] / 1e9:.2f} | {_gb(r.get('bytes_must_read'))} "
-        f"| {_gb(r.get('flops_must'))} | {roof['roofline_s'] * 1e3:.3f} | {roof['bound']} "
+        f"| {_gb(r.get('flops_must'))} | {_gb(r.get('link_bytes'))} "
+        f"| {roof['roofline_s'] * 1e3:.3f} | {roof['bound']} "
         f"| {_ms(r.get('floor_s'))} "
         f"| {_collectives(h['collectives'])} "
         f"| {_collectives(h['collectives_in_loop'])} | {'-' if kernels is None else kernels} "
