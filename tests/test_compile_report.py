@@ -847,6 +847,13 @@ def test_a_large_forward_keeps_its_residual_stream_split_over_tensor(monkeypatch
   assert "reduce-scatter" not in replicated["collectives"]
   assert split["weight_all_gathers"] == [] == replicated["weight_all_gathers"]
   assert split_rows == {16 // 4} and replicated_rows == {16}
+  # What a chip sends: the replicated stream's all-reduces of [16, 64, 256] bf16 (the
+  # embedding's and two a layer) and the logits' all-gather, by hand; the split sends the
+  # same (a reduce-scatter and an all-gather are an all-reduce), plus the norms' factors.
+  hidden, logits = 16 * 64 * config.hidden_size * 2, 16 * 64 * config.vocab_size * 4
+  assert replicated["link_bytes"] == (1 + 2 * config.num_layers) * 2 * 3 / 4 * hidden + (
+      3 / 4 * logits)
+  assert replicated["link_bytes"] <= split["link_bytes"] <= 1.02 * replicated["link_bytes"]
   # a decode step's 16 tokens stay as they were
   step, step_rows = hlo(1024, tokens=1)
   assert "reduce-scatter" not in step["collectives"] and step_rows == {16}
