@@ -420,8 +420,8 @@ class HloModule:
     from a constant."""
     if loop.trip_count is not None:
       return loop.trip_count
-    condition = next((c for c in loop.called if "cond" in c), None)
-    body = next((c for c in loop.called if c != condition), None)
+    named = dict(re.findall(r"\b(condition|body)=%?([\w.\-]+)", loop.text))
+    condition, body = named.get("condition"), named.get("body")
     root = next((i for i in self.computations.get(condition, []) if i.is_root), None)
     if root is None or root.opcode != "compare" or "direction=LT" not in root.text:
       return None
