@@ -65,6 +65,7 @@ SEQUENCE_PARALLEL_MIN_TOKENS = 1024
 # 16.9 to 22.1 ms by the link bound; groups of 4 (a v5p-8, a v5e-4, a v6e-8 as (2, 1, 4))
 # reduce-scatter both projections (docs/compile_report.md).
 SEQUENCE_PARALLEL_MAX_TENSOR = 4
+# (Both are read when a program is traced: a change reaches programs traced after it.)
 
 
 def mesh_shape(sizes: Sequence[int], num_devices: int) -> tuple[int, int, int]:

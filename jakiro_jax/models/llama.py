@@ -395,9 +395,8 @@ class DecoderLayer(nn.Module):
     cfg = self.config
     attn_scale, mlp_scale = _update_scales(gate, x)
     probs = None
-    keep = lambda a: a
-    whole = ((lambda a: None if a is None else placement.tokens_whole(a))
-             if self.sequence_parallel else keep)
+    keep = lambda a: a  # noqa: E731
+    whole = placement.tokens_whole if self.sequence_parallel else keep
     split = placement.tokens_split if self.sequence_parallel else keep
     if self.attn_on:
       h, inv_rms = x, None

@@ -39,14 +39,15 @@ def token_placement(split: Place, whole: Place):
     _rule.reset(token)
 
 
-def tokens_split(x: jax.Array) -> jax.Array:
-  """`x [B, T, ...]` with its tokens split over the tensor devices (see the module)."""
+def tokens_split(x: jax.Array | None) -> jax.Array | None:
+  """`x [B, T, ...]` with its tokens split over the tensor devices (see the module);
+  None stays None."""
   rule = _rule.get()
-  return x if rule is None else rule[0](x)
+  return x if rule is None or x is None else rule[0](x)
 
 
-def tokens_whole(x: jax.Array) -> jax.Array:
+def tokens_whole(x: jax.Array | None) -> jax.Array | None:
   """`x [B, T, ...]` whole on each tensor device (batch placed as the batch rule says),
-  where `tokens_split` would split an array of its shape; else unchanged."""
+  where `tokens_split` would split an array of its shape; else (and None) unchanged."""
   rule = _rule.get()
-  return x if rule is None else rule[1](x)
+  return x if rule is None or x is None else rule[1](x)

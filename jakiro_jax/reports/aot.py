@@ -433,8 +433,8 @@ class HloModule:
     body_root = next((i for i in self.computations.get(body, []) if i.is_root), None)
     step = (self._defined(body, body_root.operands[index])
             if body_root is not None and len(body_root.operands) > index else None)
-    step = (next((self._constant(body, op) for op in step.operands
-                  if self._constant(body, op) is not None), None)
+    step = (next((c for c in (self._constant(body, op) for op in step.operands)
+                  if c is not None), None)
             if step is not None and step.opcode == "add" else None)
     state = self._defined(computation, loop.operands[0]) if loop.operands else None
     start = (self._constant(computation, state.operands[index])
@@ -467,16 +467,7 @@ class HloModule:
     """`start` and what it runs as control flow (loop bodies and conditions, branches,
     called subroutines such as command buffers), not fusion bodies or reducers: the
     computations whose instructions launch kernels and collectives."""
-    seen, stack = set(), [start]
-    while stack:
-      name = stack.pop()
-      if name in seen or name not in self.computations:
-        continue
-      seen.add(name)
-      for ins in self.computations[name]:
-        if ins.opcode in ("while", "conditional", "call"):
-          stack.extend(ins.called)
-    return seen
+    return set(self.runs(start))
 
 
 def _balanced(text: str, start: int) -> str:
@@ -526,6 +517,18 @@ def parse_hlo(text: str) -> HloModule:
   return HloModule(computations, entry, int(partitions.group(1)) if partitions else 1)
 
 
+def _collective_inside(module: HloModule, ins: Instruction
+                       ) -> tuple[str, Instruction] | None:
+  """(computation, collective) an async-start or a fusion wraps, else None."""
+  if ins.opcode not in ("async-start", "fusion"):
+    return None
+  for name in ins.called:
+    for inner in module.computations.get(name, []):
+      if inner.opcode in COLLECTIVES:
+        return name, inner
+  return None
+
+
 def collective_kind(module: HloModule, ins: Instruction) -> str | None:
   """'all-reduce' for all-reduce / all-reduce-start / an async-start wrapping one; None
   for the -done halves and everything else. A TPU writes a reduce-scatter as a fusion
@@ -533,13 +536,12 @@ def collective_kind(module: HloModule, ins: Instruction) -> str | None:
   for kind in COLLECTIVES:
     if ins.opcode in (kind, kind + "-start"):
       return kind
-  if ins.opcode in ("async-start", "fusion"):
-    for name in ins.called:
-      for inner in module.computations.get(name, []):
-        if inner.opcode in COLLECTIVES:
-          return ("reduce-scatter" if ins.opcode == "fusion" and inner.opcode == "all-reduce"
-                  and name.startswith("all-reduce-scatter") else inner.opcode)
-  return None
+  inside = _collective_inside(module, ins)
+  if inside is None:
+    return None
+  name, inner = inside
+  return ("reduce-scatter" if ins.opcode == "fusion" and inner.opcode == "all-reduce"
+          and name.startswith("all-reduce-scatter") else inner.opcode)
 
 
 # Bytes a device sends over its links for a collective of n devices, per byte of the
@@ -556,13 +558,8 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 def group_size(module: HloModule, ins: Instruction) -> int:
   """Devices in each group of a collective (its `replica_groups` in any of XLA's three
   spellings; none or empty: every device of the program)."""
-  text = ins.text
-  for name in ins.called:  # a fused or async collective: the one inside
-    inner = next((i for i in module.computations.get(name, []) if i.opcode in COLLECTIVES),
-                 None)
-    if inner is not None:
-      text = inner.text
-      break
+  inside = _collective_inside(module, ins)  # a fused or async collective: the one inside
+  text = ins.text if inside is None else inside[1].text
   mesh = _MESH_GROUPS.search(text)
   if mesh:
     sizes = {k.strip().strip("'"): int(v) for k, v in
