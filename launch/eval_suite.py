@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from absl import app, flags
 
@@ -58,6 +59,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from jakiro_jax.reports.benchmark import (ar_baseline, base_report, load_results, read_questions,
                                             spec_report, summary_table)
+  from jakiro_jax.compile_cache import CompileTime
   from jakiro_jax.drafts.io import resolve_draft
   from jakiro_jax.drafts.registry import tree_and_options
   from jakiro_jax.speculative.sampling import SamplingConfig
@@ -93,6 +95,8 @@ def main(argv):
       raise app.UsageError(str(e)) from None
     loaded[method] = resolve_draft(target, method, draft, tree, _SEED.value, options)
     names[method] = method + ("_reference" if parity else "")
+  started = time.perf_counter()
+  compiled = CompileTime().__enter__()  # every compile of the run, for its share below
   for temperature in temperatures:
     sampling = SamplingConfig(temperature=temperature)
     for category, turns in questions.items():
@@ -121,10 +125,16 @@ def main(argv):
         os.replace(path + ".tmp", path)
         print(f"  {names[method]}: tau {report['tau']:.2f}, {report['tokens_per_s']:.1f} tokens/s, "
               f"speedup {report['speedup']:.2f}x", file=sys.stderr)
+  compiled.__exit__()
+  wall = time.perf_counter() - started
   table = summary_table([r for r in load_results(_OUT.value) if "category" in r])
+  compile_line = (f"This run: {wall:.0f} s after the target and drafts loaded, "
+                  f"{compiled.seconds:.0f} s of it compiling {compiled.count} programs "
+                  f"({compiled.seconds / wall:.0%}).\n" if wall > 0 else "")
   with open(os.path.join(_OUT.value, "summary.md"), "w") as f:
-    f.write(table)
+    f.write(table + "\n" + compile_line)
   print(table)
+  print(compile_line, end="", file=sys.stderr)
 
 
 if __name__ == "__main__":

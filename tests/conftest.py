@@ -7,6 +7,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Each test compiles what it runs (tests count compiles); the persistent cache's own test
+# turns it on in a child process.
+os.environ.setdefault("JAKIRO_JAX_COMPILE_CACHE", "off")
 if os.environ.get("PYTEST_XDIST_WORKER"):
   # Two xdist workers share the cores: torch's OpenMP threads spin-wait and, beside the
   # other worker's XLA threads, made a 17 s transformers comparison take 100 s. One torch

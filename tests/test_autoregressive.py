@@ -9,7 +9,7 @@ import pytest
 
 from conftest import random_prompts
 from jakiro_jax.models.hf_reference import hf_greedy_generate
-from jakiro_jax.speculative import autoregressive
+from jakiro_jax.speculative import autoregressive, batching
 from jakiro_jax.speculative.autoregressive import generate_ar
 from jakiro_jax.speculative.sampling import SamplingConfig
 
@@ -46,17 +46,21 @@ def test_stop_token_and_per_row_budgets(tiny_pair):
   assert len(out[2]) <= 16 and out[2] == free[2][:len(out[2])]
 
 
-def test_compiles_once_for_one_padded_length(tiny_pair, monkeypatch):
+def test_compiles_once_per_cache_class(tiny_pair, monkeypatch):
   _, target = tiny_pair
   # The loop under a fresh jit that fails on a second trace (= a second compilation).
   monkeypatch.setattr(autoregressive, "ar_generate_jit", jax.jit(
       chex.assert_max_traces(autoregressive._ar_loop, n=1),
       static_argnames=autoregressive.AR_STATIC_ARGS, donate_argnames=("cache",)))
   rng = np.random.RandomState(3)
-  for lengths in ([10, 40], [5, 33], [60, 1], [64, 64]):  # one padded length: one trace
-    generate_ar(target, random_prompts(rng, 97, lengths), max_new_tokens=8, seed=2)
-  with pytest.raises(AssertionError, match="trace"):  # the next bucket compiles again
-    generate_ar(target, random_prompts(rng, 97, [65, 3]), max_new_tokens=8)
+  # Any prompt lengths and budgets within the first cache class: one trace.
+  for lengths, budget in (([10, 40], 8), ([5, 33], 30), ([60, 1], 8), ([64, 65], 3),
+                          ([200, 3], 8), ([470, 9], 40)):  # one batch size: two rows
+    generate_ar(target, random_prompts(rng, 97, lengths), max_new_tokens=budget, seed=2)
+  assert batching.cache_class(470 + 40) == batching.MIN_CACHE_CLASS
+  with pytest.raises(AssertionError, match="trace"):  # another cache class compiles again
+    generate_ar(target, random_prompts(rng, 97, [65, 3]), max_new_tokens=8,
+                max_len=2 * batching.MIN_CACHE_CLASS)
 
 
 def test_sampling_is_seeded_and_stays_in_top_k(tiny_pair):

@@ -151,12 +151,14 @@ def test_speculative_loop_compiles_once(target, monkeypatch):
       static_argnames=spec_generate.SPEC_STATIC_ARGS,
       donate_argnames=("target_cache", "draft_cache")))
   rng = np.random.RandomState(9)
-  for lengths in ([10, 40], [4, 50], [64, 1], [33, 33]):
+  # Prompt lengths of one chunk to five and budgets within one cache class: one trace.
+  for lengths, budget in (([10, 40], 12), ([4, 50], 30), ([64, 1], 5), ([300, 33], 12)):
     out = generate(target, drafter, params, random_prompts(rng, 97, lengths),
-                   max_new_tokens=12, seed=3)
+                   max_new_tokens=budget, seed=3)
     assert out.rounds > 1
-  with pytest.raises(AssertionError, match="trace"):  # another prompt bucket: compiles
-    generate(target, drafter, params, random_prompts(rng, 97, [65, 3]), max_new_tokens=12)
+  with pytest.raises(AssertionError, match="trace"):  # another cache class: compiles
+    generate(target, drafter, params, random_prompts(rng, 97, [65, 3]), max_new_tokens=12,
+             max_len=1024)
 
 
 @pytest.mark.parametrize("field,value", [("rope_theta", 50000.0),

@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from jakiro_jax.compile_cache import CompileTime
 from jakiro_jax.speculative.round_timing import (decode_forward, decode_step_fn, loop_ms,
                                                   median_ms)
 
@@ -194,14 +195,20 @@ class Section:
       self.skip(key, BUDGET_REASON)
       return None
     start = time.monotonic()
-    try:
-      row = dict(fn())
-    except Exception as e:  # noqa: BLE001  a failed unit is reported, the rest still runs
-      traceback.print_exc(file=sys.stderr)
-      row = {"error": f"{type(e).__name__}: {e}"}
+    with CompileTime() as compiled:  # what of the unit's wall time went to compiling
+      try:
+        row = dict(fn())
+      except Exception as e:  # noqa: BLE001  a failed unit is reported, the rest still runs
+        traceback.print_exc(file=sys.stderr)
+        row = {"error": f"{type(e).__name__}: {e}"}
     elapsed = time.monotonic() - start
     self._estimates[kind] = max(self._estimates.get(kind, 0.0), elapsed)
-    row = jsonable(dict(row, key=key, unit_seconds=elapsed))
+    row = jsonable(dict(row, key=key, unit_seconds=elapsed,
+                        unit_compile_s=round(compiled.seconds, 3),
+                        unit_programs_compiled=compiled.count,
+                        unit_programs_loaded=compiled.loaded,
+                        unit_compile_share=round(compiled.seconds / elapsed, 4)
+                        if elapsed > 0 else None))
     self.rows.append(row)
     self.save()
     return row

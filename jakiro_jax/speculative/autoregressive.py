@@ -19,7 +19,7 @@ import numpy as np
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache, causal_mask
 from jakiro_jax.models.llama import Llama, check_feature_layers, new_cache
-from jakiro_jax.speculative.batching import prepare_batch
+from jakiro_jax.speculative.batching import output_columns, prefill_chunk, prepare_batch
 from jakiro_jax.speculative.sampling import SamplingConfig, sample_token
 import jakiro_jax.sharding as sharding
 
@@ -64,6 +64,62 @@ def prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
   return logits, features, cache.replace(lengths=prompt_lengths)
 
 
+def chunked_prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
+                    cache: KVCache, chunk: int, on_chunk=None, carry=None,
+                    keep_features: bool = False):
+  """Right-padded prompts `[B, W]` through the target `chunk` tokens at a time, in one
+  `lax.while_loop` over the chunks the longest row needs: one program serves every
+  prompt length up to W (a whole number of chunks, at most the cache's slots).
+
+  Chunk c writes slots c*chunk.. of every row (past a row's length: padding, never read:
+  the masks stop at `lengths`, and later tokens overwrite those slots before reading
+  them). `on_chunk(c, features [B, chunk, F], carry) -> carry` sees each chunk's
+  features (`Llama.feature_layers`). Returns `(logits [B, V] and features [B, F] at each
+  row's last prompt token, cache with lengths = prompt_lengths, carry)`; with
+  `keep_features` the carry is every prompt slot's features `[B, W, F]` instead.
+  """
+  batch, width = prompt.shape
+  if width % chunk or width > cache.max_len:
+    raise ValueError(f"a chunked prefill takes whole chunks of {chunk} tokens within the "
+                     f"cache's {cache.max_len} slots; the prompt is {width} wide")
+  rows = jnp.arange(batch)
+  last = prompt_lengths - 1
+  offsets = jnp.arange(chunk, dtype=jnp.int32)
+
+  def run(c, state):
+    logits, last_features, cache, carry = state
+    start = c * chunk
+    tokens = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
+    at = jnp.clip(last - start, 0, chunk - 1)
+    cache = cache.replace(lengths=jnp.full((batch,), start, jnp.int32))
+    chunk_logits, features, cache = model.apply(
+        params, tokens, jnp.broadcast_to(start + offsets, tokens.shape), cache,
+        causal_mask(cache.lengths, chunk, cache.max_len), logits_at=at)
+    ends_here = (last >= start) & (last < start + chunk)
+    logits = jnp.where(ends_here[:, None], chunk_logits, logits)
+    last_features = jnp.where(ends_here[:, None], features[rows, at], last_features)
+    if on_chunk is not None:
+      carry = on_chunk(c, features, carry)
+    return logits, last_features, cache, carry
+
+  # The shapes of a chunk's logits and features (traced abstractly, nothing computed).
+  logits_shape, features_shape, _ = jax.eval_shape(
+      lambda p, c: model.apply(p, prompt[:, :chunk], jnp.zeros((batch, chunk), jnp.int32),
+                               c, causal_mask(c.lengths, chunk, c.max_len),
+                               logits_at=jnp.zeros((batch,), jnp.int32)), params, cache)
+  width_features = features_shape.shape[-1]
+  zeros = (jnp.zeros(logits_shape.shape, logits_shape.dtype),
+           jnp.zeros((batch, width_features), features_shape.dtype))
+  if keep_features:
+    carry = jnp.zeros((batch, width, width_features), features_shape.dtype)
+    on_chunk = lambda c, features, kept: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+        kept, features.astype(kept.dtype), c * chunk, axis=1)
+  num_chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
+  logits, last_features, cache, carry = jax.lax.fori_loop(
+      0, num_chunks, run, (*zeros, cache, carry))
+  return logits, last_features, cache.replace(lengths=prompt_lengths), carry
+
+
 def target_prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
                    cache: KVCache, prefill_fn=None):
   """The dense `prefill`, or `prefill_fn`: any hashable callable with `prefill`'s
@@ -87,26 +143,34 @@ def check_prefill_fn(prefill_fn, mesh=None):
 
 
 AR_STATIC_ARGS = ("config", "max_new_tokens", "sampling", "stop_ids", "pad_id",
-                  "prefill_fn", "feature_layers")
+                  "prefill_fn", "feature_layers", "prefill_chunk")
 
 
 def _ar_loop(params, prompt: jax.Array, prompt_lengths: jax.Array,
                     budgets: jax.Array, rng: jax.Array, cache: KVCache, *,
                     config: LlamaConfig, max_new_tokens: int, sampling: SamplingConfig,
                     stop_ids: tuple[int, ...], pad_id: int,
-                    prefill_fn=None, feature_layers: tuple[int, ...] | None = None):
+                    prefill_fn=None, feature_layers: tuple[int, ...] | None = None,
+                    prefill_chunk: int | None = None):
   """Generates up to `budgets[b] <= max_new_tokens` tokens per row.
 
   prompt `[B, P]` right-padded, prompt_lengths/budgets `[B]` int32. A row stops after a
-  stop token (kept in the output) or its budget. `prefill_fn`: see `target_prefill`.
+  stop token (kept in the output) or its budget. `prefill_fn`: see `target_prefill`;
+  `prefill_chunk`: the dense prefill in chunks of that many tokens (`chunked_prefill`,
+  P a whole number of them), else over the whole prompt at once.
   Returns the final `ARState`; with `feature_layers` (`Llama.feature_layers`: () the final
   norm's output) `(state, prompt_features [B, P, W])`, and `state.features` holds the
   output tokens' (what a forward over prompt + output gives, without that second pass).
   """
   model = Llama(config, feature_layers or ())
   batch = prompt.shape[0]
-  logits, prompt_features, cache = target_prefill(model, params, prompt, prompt_lengths,
-                                                  cache, prefill_fn)
+  if prefill_chunk is None or prefill_fn is not None:
+    logits, prompt_features, cache = target_prefill(model, params, prompt, prompt_lengths,
+                                                    cache, prefill_fn)
+  else:
+    logits, _, cache, prompt_features = chunked_prefill(
+        model, params, prompt, prompt_lengths, cache, prefill_chunk,
+        keep_features=feature_layers is not None)
   first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
   features = None
@@ -213,8 +277,8 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
   each row's features over prompt + output (`GenerationOutput.features`), taken from the
   prefill and the decode steps themselves plus one forward of the last tokens, instead of
   a second pass over the finished sequences (`train.features.target_features`).
-  `prompt_width`: the padded prompt length (`batching.prepare_batch`); with `max_len` and
-  the number of rows fixed, calls of any prompt lengths share one compiled loop.
+  `prompt_width`: the padded prompt length of a custom prefill (`batching.prepare_batch`;
+  the dense one takes any prompt length up to the cache's in one compiled loop).
 
   With a `mesh` (`jakiro_jax.sharding.make_mesh`) the same loop runs as one jit with the
   target's weights, the prompts and the cache sharded by the logical-axis rules;
@@ -226,12 +290,14 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
       raise ValueError("feature_layers: features are collected with the dense prefill "
                        "(no prefill_fn)")
     feature_layers = check_feature_layers(target.config, feature_layers)
+  chunk = None if prefill_fn is not None else prefill_chunk()
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
-                        prompt_width=prompt_width)
+                        prompt_width=prompt_width, chunk=chunk)
   size = len(batch.lengths)
-  static = dict(config=target.config, max_new_tokens=int(batch.budgets.max()),
+  static = dict(config=target.config,
+                max_new_tokens=output_columns(batch, features=feature_layers is not None),
                 sampling=sampling, stop_ids=tuple(target.stop_ids), pad_id=0,
-                prefill_fn=prefill_fn)
+                prefill_fn=prefill_fn, prefill_chunk=chunk)
   if feature_layers is not None:
     static["feature_layers"] = feature_layers
   inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),

@@ -1,4 +1,11 @@
-"""Host-side preparation of a generation request: validation, padding, length buckets."""
+"""Host-side preparation of a generation request: validation, padding, cache classes.
+
+The loops compile once per cache class, not per prompt length: the dense prefill runs
+inside the loop in chunks of `prefill_chunk()` tokens over a prompt padded to the cache's
+width, and the cache size is the smallest rung of `cache_class`'s ladder that holds the
+request (or the caller's `max_len`, rounded up to a whole chunk). A custom prefill
+(`prefill_fn`) still takes the prompt whole, padded to its length bucket.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,13 @@ from jakiro_jax.models.config import LlamaConfig
 
 PROMPT_BUCKET = 64  # long prompts pad to a multiple of this, so lengths share compilations
 MIN_PROMPT_BUCKET = 8  # short prompts pad to a power of two from here up to PROMPT_BUCKET
-CACHE_BUCKET = 64
+# The ladder of cache sizes: powers of two from here. A request's cache is the first rung
+# that holds its longest row's prompt, budget and last round's scratch slots.
+MIN_CACHE_CLASS = 512
+# Prompt tokens per prefill chunk: on a CPU a forward costs about its tokens, and a chat
+# prompt is under 64; an accelerator's matmul units want wider chunks.
+CPU_PREFILL_CHUNK = 64
+ACCELERATOR_PREFILL_CHUNK = 256
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -26,6 +39,24 @@ def prompt_bucket(length: int) -> int:
   while bucket < length:
     bucket *= 2
   return bucket
+
+
+def cache_class(slots: int) -> int:
+  """The smallest rung of the cache ladder (powers of two from `MIN_CACHE_CLASS`) that
+  holds `slots`."""
+  size = MIN_CACHE_CLASS
+  while size < slots:
+    size *= 2
+  return size
+
+
+def prefill_chunk(platform: str | None = None) -> int:
+  """Prompt tokens a chunk of the loops' dense prefill takes on `platform` (default:
+  JAX's default backend)."""
+  if platform is None:
+    import jax
+    platform = jax.default_backend()
+  return CPU_PREFILL_CHUNK if platform == "cpu" else ACCELERATOR_PREFILL_CHUNK
 
 
 def scratch_slots(extra_slots: int) -> int:
@@ -50,11 +81,15 @@ class PaddedBatch:
 def prepare_batch(config: LlamaConfig, prompts: Sequence[Sequence[int]],
                   max_new_tokens: int | Sequence[int], max_len: int | None = None,
                   extra_slots: int = 0, pad_id: int = 0,
-                  prompt_width: int | None = None) -> PaddedBatch:
+                  prompt_width: int | None = None,
+                  chunk: int | None = None) -> PaddedBatch:
   """Validates prompts and budgets and pads them into static shapes.
 
-  `prompt_width`: pad the prompts to this many tokens instead of the longest one's bucket
-  (so that batches of any prompt lengths share one compiled program).
+  `chunk`: the loops' chunked prefill takes this many prompt tokens at a time; the cache
+  is then a whole number of chunks (an explicit `max_len` is rounded up to one) and the
+  prompts are padded to the cache's width, so every prompt length shares the program of
+  its cache class. Without it (a whole-prompt prefill, e.g. a custom `prefill_fn`) the
+  prompts are padded to the longest one's bucket, or to `prompt_width`.
 
   `extra_slots`: cache slots a speculative round writes from its root's slot on (the
   draft tree before verification); an explicit `max_len` must hold every row's positions
@@ -86,8 +121,8 @@ def prepare_batch(config: LlamaConfig, prompts: Sequence[Sequence[int]],
   length, budget = int(lengths[longest]), int(budgets[longest])
   scratch = scratch_slots(extra_slots)
   if max_len is None:
-    # Depends on the prompt bucket and budget only, so similar requests share a compile.
-    max_len = padded_len + round_up(int(budgets.max()) + extra_slots, CACHE_BUCKET)
+    # A rung of the ladder: requests of any prompt length share the compiled loop.
+    max_len = cache_class(length + budget + scratch)
   elif length + budget + scratch > max_len:
     raise ValueError(
         f"prompt length {length} + max_new_tokens {budget}"
@@ -99,9 +134,20 @@ def prepare_batch(config: LlamaConfig, prompts: Sequence[Sequence[int]],
     raise ValueError(
         f"prompt length {length} + max_new_tokens {budget} = {length + budget} exceeds "
         f"the model's max_position_embeddings {config.max_position_embeddings}")
+  if chunk is not None:
+    max_len = round_up(int(max_len), chunk)
+    padded_len = max_len
   tokens = np.full((len(prompts), max(padded_len, 1)), pad_id, np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   if tokens.shape[1] > max_len:
     tokens = tokens[:, :max_len]  # only padding is cut: every prompt fits by the check
   return PaddedBatch(tokens, lengths, budgets.astype(np.int32), int(max_len))
+
+
+def output_columns(batch: PaddedBatch, features: bool = False) -> int:
+  """Output columns of a loop over `batch` (its static `max_new_tokens`): the cache's
+  slots, so that budgets of any size share the program of their cache class; with
+  `features` (the AR loop keeping each output token's features, `[B, columns, F]`) the
+  largest budget, which a job of fixed budgets keeps fixed."""
+  return int(batch.budgets.max()) if features else batch.max_len

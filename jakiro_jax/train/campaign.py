@@ -210,7 +210,8 @@ def copy_drafts(out: str, methods: list[str], target_name: str, max_file_bytes: 
 
 def gather_results(out: str, methods: list[str], eval_dir: str = "eval") -> dict:
   """{method: {T: {"tau": pooled, "per_file": {file: tau}, "speedups": {file: speedup},
-  ...}}} from the result files in OUT/`eval_dir`."""
+  "compile_s", "programs_compiled" (summed over the files), ...}}} from the result files
+  in OUT/`eval_dir`."""
   results: dict = {}
   for path in sorted(glob.glob(os.path.join(out, eval_dir, "*_T*_*.json"))):
     with open(path) as f:
@@ -221,13 +222,18 @@ def gather_results(out: str, methods: list[str], eval_dir: str = "eval") -> dict
     category = os.path.basename(path).rsplit("_T", 1)[0]
     entry = results.setdefault(method, {}).setdefault(f"{float(record['temperature']):g}", {
         "new_tokens": 0, "rounds": 0, "tau_rounds": 0.0, "per_file": {}, "speedups": {},
-        "greedy_mismatches": 0})
+        "greedy_mismatches": 0, "compile_s": 0.0, "programs_compiled": 0})
     entry["new_tokens"] += record["new_tokens"]
     entry["rounds"] += record["rounds"]
     entry["tau_rounds"] += record["tau"] * record["rounds"]
     entry["per_file"][category] = record["tau"]
     entry["speedups"][category] = record.get("speedup")
     entry["greedy_mismatches"] += record.get("greedy_mismatches") or 0
+    # The method's loop and round timing (its AR baseline's are the file's, shared).
+    entry["compile_s"] += (record.get("compile_s") or 0) + (
+        record.get("round_split_compile_s") or 0)
+    entry["programs_compiled"] += (record.get("programs_compiled") or 0) + (
+        record.get("round_split_programs_compiled") or 0)
   for per_t in results.values():
     for entry in per_t.values():
       # tau = 1 + accepted draft tokens per round (`benchmark.spec_fields`), over all rounds

@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from jakiro_jax.atomic_dir import write_json
+from jakiro_jax.compile_cache import CompileTime
 from jakiro_jax.models.llama import check_feature_layers
 from jakiro_jax.speculative.autoregressive import generate_ar
 from jakiro_jax.speculative.batching import prompt_bucket
@@ -37,27 +38,6 @@ from jakiro_jax.train.features import target_features
 
 log = logging.getLogger(__name__)
 
-
-class CompileTime:
-  """Compilations and their seconds while the context is open (`jax.monitoring`): each
-  new prompt or length bucket compiles the generation loop or the feature forward once,
-  which on an accelerator can outweigh running them."""
-
-  def __init__(self):
-    self.count, self.seconds = 0, 0.0
-
-  def _record(self, event: str, seconds: float, **_) -> None:
-    if event.endswith("backend_compile_duration"):
-      self.count, self.seconds = self.count + 1, self.seconds + seconds
-
-  def __enter__(self):
-    import jax
-    jax.monitoring.register_event_duration_secs_listener(self._record)
-    return self
-
-  def __exit__(self, *exc):
-    import jax
-    jax.monitoring.unregister_event_duration_listener(self._record)
 
 SELF_PROMPTS_FILE = "self_prompts.jsonl"
 MIX_FILE = "mix.json"

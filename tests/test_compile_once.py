@@ -1,0 +1,174 @@
+"""Compile once: one loop program per cache class for every prompt length, the persistent
+compile cache on by default (a second process compiles nothing), and `precompile`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+from jakiro_jax import precompile
+from jakiro_jax.compile_cache import CompileTime
+from jakiro_jax.drafts import make_drafter
+from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.models.llama import init_params
+from jakiro_jax.speculative import batching
+from jakiro_jax.speculative.autoregressive import generate_ar
+from jakiro_jax.speculative.generate import generate
+from jakiro_jax.speculative.tree import TreeConfig
+from jakiro_jax.target import Target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layers=2,
+                   num_heads=6, num_kv_heads=2, head_dim=12, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  target = Target(TINY, init_params(TINY, jax.random.PRNGKey(0)), None, "tiny", (3,))
+  drafter = make_drafter("eagle2", TINY, TreeConfig(top_k=2, depth=2, total_tokens=4))
+  return target, drafter, drafter.init_params(jax.random.PRNGKey(1))
+
+
+def test_the_cache_ladder_and_the_chunked_width():
+  assert [batching.cache_class(n) for n in (1, 512, 513, 1500, 2049)] == [
+      512, 512, 1024, 2048, 4096]
+  batch = batching.prepare_batch(TINY, [[5] * 300, [6] * 7], [40, 100], extra_slots=4,
+                                 chunk=64)
+  assert batch.max_len == 512 and batch.tokens.shape == (2, 512)  # prompts at cache width
+  # An explicit max_len is the caller's, rounded up to whole chunks.
+  assert batching.prepare_batch(TINY, [[5] * 9], 8, max_len=100, chunk=64).max_len == 128
+  # Without a chunk (a custom prefill) the prompt keeps its bucket.
+  assert batching.prepare_batch(TINY, [[5] * 9], 8).tokens.shape == (1, 16)
+
+
+def test_prompt_lengths_and_budgets_share_one_program_per_loop(tiny):
+  """After the first request, others of any prompt length (one chunk to seven) and budget
+  in the same cache class compile nothing; another batch size or cache class does."""
+  target, drafter, params = tiny
+  rng = np.random.RandomState(0)
+  generate(target, drafter, params, random_prompts(rng, 97, [12]), 8)
+  generate_ar(target, random_prompts(rng, 97, [12]), 8)
+  for length, budget in ((150, 30), (420, 60), (63, 1), (64, 5)):
+    prompt = random_prompts(rng, 97, [length])
+    with CompileTime() as compiled:
+      spec = generate(target, drafter, params, prompt, budget)
+      ar = generate_ar(target, prompt, budget)
+    assert compiled.count == 0, (length, budget)
+    assert spec.tokens == ar.tokens  # greedy: lossless at every prompt length
+    assert len(ar.tokens[0]) <= budget
+  with CompileTime() as compiled:
+    generate_ar(target, random_prompts(rng, 97, [12, 30]), 8)
+  assert compiled.count >= 1  # batch 2 is another program
+
+
+def test_chunked_prefill_equals_the_whole_prompt_prefill(tiny):
+  """Logits and every prompt position's features of the chunked prefill are those of the
+  one-shot prefill (to float rounding), for rows ending in different chunks."""
+  from jakiro_jax.models.llama import Llama, new_cache
+  from jakiro_jax.speculative.autoregressive import chunked_prefill, prefill
+
+  target, _, _ = tiny
+  rng = np.random.RandomState(1)
+  lengths = np.array([5, 64, 130], np.int32)
+  prompt = np.zeros((3, 192), np.int32)
+  for i, n in enumerate(lengths):
+    prompt[i, :n] = rng.randint(0, 97, n)
+  model = Llama(TINY, (0, -1))
+  whole_logits, whole_features, whole_cache = prefill(
+      model, target.params, prompt, lengths, new_cache(TINY, 3, 256))
+  logits, last, cache, kept = jax.jit(
+      lambda p, t, n, c: chunked_prefill(model, p, t, n, c, 64, keep_features=True))(
+          target.params, prompt, lengths, new_cache(TINY, 3, 256))
+  np.testing.assert_allclose(logits, whole_logits, rtol=1e-5, atol=1e-5)
+  for i, n in enumerate(lengths):
+    np.testing.assert_allclose(kept[i, :n], whole_features[i, :n], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(last[i], whole_features[i, n - 1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cache.k[:, i, :, :n], whole_cache.k[:, i, :, :n],
+                               rtol=1e-5, atol=1e-5)
+  assert list(cache.lengths) == list(lengths)
+  with pytest.raises(ValueError, match="whole chunks of 64"):
+    chunked_prefill(model, target.params, prompt[:, :100], lengths, new_cache(TINY, 3, 256),
+                    64)
+
+
+def test_precompile_makes_the_first_request_warm(tiny, capsys):
+  target, drafter, params = tiny
+  rows = precompile(target, drafter, params, batch_sizes=[3], max_len=600)
+  assert [(r.loop, r.batch, r.cache_slots) for r in rows] == [
+      ("ar", 3, 512), ("eagle2", 3, 512), ("ar", 3, 1024), ("eagle2", 3, 1024)]
+  assert "precompile [4/4] eagle2 loop, batch 3, 1024 cache slots" in capsys.readouterr().err
+  prompts = random_prompts(np.random.RandomState(2), 97, [40, 200, 9])
+  with CompileTime() as compiled:
+    generate(target, drafter, params, prompts, 20)
+    generate_ar(target, prompts, 20)
+    generate_ar(target, prompts, 20, max_len=1024)
+  assert compiled.count == 0
+  with pytest.raises(ValueError, match="draft_params"):
+    precompile(target, drafter)
+  with pytest.raises(ValueError, match="batch_sizes"):
+    precompile(target, batch_sizes=[0])
+
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    import jax
+    import jakiro_jax
+    from jakiro_jax.compile_cache import CompileTime
+    from jakiro_jax.drafts import make_drafter
+    from jakiro_jax.models.config import LlamaConfig
+    from jakiro_jax.models.llama import init_params
+    from jakiro_jax.speculative.tree import TreeConfig
+    from jakiro_jax.target import Target
+    cfg = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=12, max_position_embeddings=512)
+    with CompileTime() as compiled:
+      target = Target(cfg, init_params(cfg, jax.random.PRNGKey(0)), None, "tiny", (3,))
+      drafter = make_drafter("eagle2", cfg, TreeConfig(top_k=2, depth=2, total_tokens=4))
+      params = drafter.init_params(jax.random.PRNGKey(1))
+      spec = jakiro_jax.generate(target, drafter, params, [[5, 6, 7]], 6)
+      ar = jakiro_jax.generate_ar(target, [[5, 6, 7]], 6)
+    print(json.dumps({"cache": jax.config.jax_compilation_cache_dir,
+                      "compiled": compiled.count, "loaded": compiled.loaded,
+                      "tokens": [spec.tokens, ar.tokens]}))
+""")
+
+
+def _child(env_value):
+  env = dict(os.environ)
+  env.pop("JAKIRO_JAX_COMPILE_CACHE", None)
+  if env_value is not None:
+    env["JAKIRO_JAX_COMPILE_CACHE"] = env_value
+  out = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, check=True,
+                       capture_output=True, text=True, timeout=600)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_compiles_nothing_it_compiled_before(tmp_path):
+  cache = str(tmp_path / "xla")
+  first = _child(cache)
+  assert first["cache"] == cache and first["compiled"] > 2 and os.listdir(cache)
+  second = _child(cache)
+  assert second["compiled"] == 0 and second["loaded"] > 2
+  assert second["tokens"] == first["tokens"]
+
+
+def test_the_cache_follows_the_environment(monkeypatch):
+  from jakiro_jax import compile_cache
+  assert jax.config.jax_compilation_cache_dir is None  # the suite runs with it off
+  monkeypatch.setenv(compile_cache.ENV, "off")
+  assert compile_cache.enable_default() is None
+  assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_the_default_cache_is_under_the_users_cache_dir(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAKIRO_JAX_CACHE", str(tmp_path))
+  from jakiro_jax import compile_cache
+  assert compile_cache.default_dir() == str(tmp_path / "xla")
