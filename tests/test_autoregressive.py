@@ -57,10 +57,10 @@ def test_compiles_once_per_cache_class(tiny_pair, monkeypatch):
   for lengths, budget in (([10, 40], 8), ([5, 33], 30), ([60, 1], 8), ([64, 65], 3),
                           ([200, 3], 8), ([470, 9], 40)):  # one batch size: two rows
     generate_ar(target, random_prompts(rng, 97, lengths), max_new_tokens=budget, seed=2)
-  assert batching.cache_class(470 + 40) == batching.MIN_CACHE_CLASS
+  assert batching.cache_class(470 + 40) == batching.min_cache_class()
   with pytest.raises(AssertionError, match="trace"):  # another cache class compiles again
     generate_ar(target, random_prompts(rng, 97, [65, 3]), max_new_tokens=8,
-                max_len=2 * batching.MIN_CACHE_CLASS)
+                max_len=2 * batching.min_cache_class())
 
 
 def test_sampling_is_seeded_and_stays_in_top_k(tiny_pair):

@@ -38,11 +38,13 @@ def tiny():
 
 
 def test_the_cache_ladder_and_the_chunked_width():
-  assert [batching.cache_class(n) for n in (1, 512, 513, 1500, 2049)] == [
+  assert [batching.cache_class(n, "tpu") for n in (1, 512, 513, 1500, 2049)] == [
       512, 512, 1024, 2048, 4096]
+  assert [batching.cache_class(n, "cpu") for n in (1, 1024, 1500)] == [1024, 1024, 2048]
   batch = batching.prepare_batch(TINY, [[5] * 300, [6] * 7], [40, 100], extra_slots=4,
                                  chunk=64)
-  assert batch.max_len == 512 and batch.tokens.shape == (2, 512)  # prompts at cache width
+  slots = batching.min_cache_class()
+  assert batch.max_len == slots and batch.tokens.shape == (2, slots)  # at cache width
   # An explicit max_len is the caller's, rounded up to whole chunks.
   assert batching.prepare_batch(TINY, [[5] * 9], 8, max_len=100, chunk=64).max_len == 128
   # Without a chunk (a custom prefill) the prompt keeps its bucket.
@@ -101,15 +103,18 @@ def test_chunked_prefill_equals_the_whole_prompt_prefill(tiny):
 
 def test_precompile_makes_the_first_request_warm(tiny, capsys):
   target, drafter, params = tiny
-  rows = precompile(target, drafter, params, batch_sizes=[3], max_len=600)
+  first = batching.min_cache_class()
+  rows = precompile(target, drafter, params, batch_sizes=[3], max_len=first + 1)
   assert [(r.loop, r.batch, r.cache_slots) for r in rows] == [
-      ("ar", 3, 512), ("eagle2", 3, 512), ("ar", 3, 1024), ("eagle2", 3, 1024)]
-  assert "precompile [4/4] eagle2 loop, batch 3, 1024 cache slots" in capsys.readouterr().err
+      ("ar", 3, first), ("eagle2", 3, first), ("ar", 3, 2 * first),
+      ("eagle2", 3, 2 * first)]
+  assert (f"precompile [4/4] eagle2 loop, batch 3, {2 * first} cache slots"
+          in capsys.readouterr().err)
   prompts = random_prompts(np.random.RandomState(2), 97, [40, 200, 9])
   with CompileTime() as compiled:
     generate(target, drafter, params, prompts, 20)
     generate_ar(target, prompts, 20)
-    generate_ar(target, prompts, 20, max_len=1024)
+    generate_ar(target, prompts, 20, max_len=2 * first)
   assert compiled.count == 0
   with pytest.raises(ValueError, match="draft_params"):
     precompile(target, drafter)

@@ -158,7 +158,7 @@ def test_speculative_loop_compiles_once(target, monkeypatch):
     assert out.rounds > 1
   with pytest.raises(AssertionError, match="trace"):  # another cache class: compiles
     generate(target, drafter, params, random_prompts(rng, 97, [65, 3]), max_new_tokens=12,
-             max_len=1024)
+             max_len=4096)
 
 
 @pytest.mark.parametrize("field,value", [("rope_theta", 50000.0),

@@ -462,6 +462,34 @@ def sharded_kernel_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
                        out_specs=q_spec, check_vma=False)(q, k_cache, v_cache, mask)
 
 
+FILLED_MIN_SLOTS = 128  # the narrowest view of the cache a CPU attention reads
+
+
+def filled_widths(slots: int) -> list[int]:
+  """Views of a cache of `slots` a CPU attention may read: powers of two from
+  `FILLED_MIN_SLOTS` below `slots`, then all of it."""
+  widths = [FILLED_MIN_SLOTS]
+  while widths[-1] < slots:
+    widths.append(widths[-1] * 2)
+  return widths[:-1] + [slots]
+
+
+def filled_attention(plain, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     mask: jax.Array) -> jax.Array:
+  """`plain(q, k_cache, v_cache, mask)` over the cache's first W slots only, W the
+  narrowest of `filled_widths` that holds every slot the mask shows (`lax.switch`): a
+  decode step or a verify early in a large cache reads what is filled, not every slot.
+  Exact: the slots left out are masked, and a masked score adds nothing."""
+  widths = filled_widths(mask.shape[-1])
+  if len(widths) == 1:
+    return plain(q, k_cache, v_cache, mask)
+  seen = mask.any(axis=(0, 1))  # [S']
+  filled = jnp.max(jnp.where(seen, jnp.arange(mask.shape[-1], dtype=jnp.int32) + 1, 0))
+  index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), filled)
+  views = [lambda q, k, v, m, w=w: plain(q, k, v, m[..., :w]) for w in widths]
+  return jax.lax.switch(index, views, q, k_cache, v_cache, mask)
+
+
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
               mask: jax.Array, xla_attention) -> jax.Array:
   """Layer `layer` of the stacked caches `[L, B, K, S, H]` attended by q `[B, T, K, G, H]`
@@ -496,12 +524,12 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
     fused.defvjp(forward, backward)
     return fused
 
-  kernels = {}
+  # On CPUs the XLA expression reads the filled slots only (`filled_attention`); a
+  # SmolLM2 decode step read 1,024 slots 23% slower than 512, 512 9% slower than 256.
+  kernels = {"cpu": functools.partial(filled_attention, plain)}
   if applies(q, k_cache, mask):
     kernels["cuda"] = fused_with(kernel_attention)
   if tpu_applies(q, k_cache, mask):
     kernels["tpu"] = fused_with(functools.partial(
         tpu_kernel_attention, slots_minor=q.shape[-1] < 128))
-  if not kernels:
-    return plain(q, k_cache, v_cache, mask)
   return jax.lax.platform_dependent(q, k_cache, v_cache, mask, default=plain, **kernels)

@@ -3,7 +3,8 @@
 The loops compile once per cache class, not per prompt length: the dense prefill runs
 inside the loop in chunks of `prefill_chunk()` tokens over a prompt padded to the cache's
 width, and the cache size is the smallest rung of `cache_class`'s ladder that holds the
-request (or the caller's `max_len`, rounded up to a whole chunk). A custom prefill
+request (or the caller's `max_len`, rounded up to a whole chunk): 1,024 slots and up on a
+CPU, 512 and up elsewhere. A custom prefill
 (`prefill_fn`) still takes the prompt whole, padded to its length bucket.
 """
 
@@ -19,8 +20,12 @@ from jakiro_jax.models.config import LlamaConfig
 PROMPT_BUCKET = 64  # long prompts pad to a multiple of this, so lengths share compilations
 MIN_PROMPT_BUCKET = 8  # short prompts pad to a power of two from here up to PROMPT_BUCKET
 # The ladder of cache sizes: powers of two from here. A request's cache is the first rung
-# that holds its longest row's prompt, budget and last round's scratch slots.
+# that holds its longest row's prompt, budget and last round's scratch slots. A CPU's
+# attention reads the filled slots only (`tree_attention.filled_attention`), so a larger
+# first rung costs it memory, not time: one program serves a 420-token prompt and 128 new
+# tokens as it serves a 12-token one.
 MIN_CACHE_CLASS = 512
+CPU_MIN_CACHE_CLASS = 1024
 # Prompt tokens per prefill chunk: on a CPU a forward costs about its tokens, and a chat
 # prompt is under 64; an accelerator's matmul units want wider chunks.
 CPU_PREFILL_CHUNK = 64
@@ -41,10 +46,18 @@ def prompt_bucket(length: int) -> int:
   return bucket
 
 
-def cache_class(slots: int) -> int:
-  """The smallest rung of the cache ladder (powers of two from `MIN_CACHE_CLASS`) that
+def min_cache_class(platform: str | None = None) -> int:
+  """The cache ladder's first rung on `platform` (default: JAX's default backend)."""
+  if platform is None:
+    import jax
+    platform = jax.default_backend()
+  return CPU_MIN_CACHE_CLASS if platform == "cpu" else MIN_CACHE_CLASS
+
+
+def cache_class(slots: int, platform: str | None = None) -> int:
+  """The smallest rung of the cache ladder (powers of two from `min_cache_class`) that
   holds `slots`."""
-  size = MIN_CACHE_CLASS
+  size = min_cache_class(platform)
   while size < slots:
     size *= 2
   return size

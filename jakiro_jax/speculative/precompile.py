@@ -15,7 +15,7 @@ from typing import Sequence
 
 from jakiro_jax.compile_cache import CompileTime
 from jakiro_jax.speculative.autoregressive import generate_ar
-from jakiro_jax.speculative.batching import MIN_CACHE_CLASS, cache_class
+from jakiro_jax.speculative.batching import cache_class, min_cache_class
 from jakiro_jax.speculative.generate import generate
 from jakiro_jax.speculative.sampling import SamplingConfig
 
@@ -33,7 +33,7 @@ class Precompiled:
 
 def cache_classes(max_len: int | None) -> list[int]:
   """The ladder's rungs up to the one holding `max_len` (None: the first rung)."""
-  rungs = [MIN_CACHE_CLASS]
+  rungs = [min_cache_class()]
   while max_len is not None and rungs[-1] < cache_class(max_len):
     rungs.append(rungs[-1] * 2)
   return rungs
@@ -45,7 +45,7 @@ def precompile(target, drafter=None, draft_params=None, batch_sizes: Sequence[in
   """Compiles (or reads from the persistent cache) the loops later requests will run:
   our AR loop (`ar`) and, with a `drafter` and its `draft_params`, the speculative loop,
   for each batch size and each cache class up to `max_len` (default: the first rung,
-  `batching.MIN_CACHE_CLASS` slots, which holds a prompt plus budget plus the last
+  `batching.min_cache_class()` slots, which holds a prompt plus budget plus the last
   round's scratch up to that). `sampling` is part of a program: pass the one you will
   generate with. A line per program goes to stderr with `progress`.
   """

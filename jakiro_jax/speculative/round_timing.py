@@ -6,6 +6,7 @@ functions at a representative context length (medians of repeated calls).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 
 from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.models.llama import Llama, new_cache
+from jakiro_jax.speculative.batching import cache_class
 from jakiro_jax.speculative.drafter import feature_layers_of, feature_width
 from jakiro_jax.speculative.generate import (check_draft_fits, draft_context, draft_tree,
                                              drafting_head, verify_tree)
@@ -74,8 +76,10 @@ def decode_forward(config, advance: bool = False):
   return step
 
 
+@functools.lru_cache(maxsize=None)
 def decode_step_fn(config):
-  """`decode_forward(config)` jitted, the cache donated."""
+  """`decode_forward(config)` jitted, the cache donated: one jit per config, so timing
+  again at a context in the same cache class compiles nothing."""
   return jax.jit(decode_forward(config), donate_argnames=("cache",))
 
 
@@ -85,7 +89,7 @@ def forward_ms(target, context_len: int, width: int = 1, repeats: int = 7) -> fl
   step; width N is the verify forward of an N-node tree without its acceptance step, so it
   bounds that verify from below (`decode_forward`)."""
   step = decode_step_fn(target.config)
-  state = {"cache": new_cache(target.config, 1, context_len + width + 63).replace(
+  state = {"cache": new_cache(target.config, 1, cache_class(context_len + width)).replace(
       lengths=jnp.array([context_len], jnp.int32))}
   tokens = jnp.ones((1, width), jnp.int32)
 
@@ -100,44 +104,51 @@ def ar_step_ms(target, context_len: int) -> float:
   return forward_ms(target, context_len, 1, repeats=15)
 
 
+ROUND_PART_STATIC = ("target_config", "drafter", "sampling")
+
+
+@functools.partial(jax.jit, static_argnames=ROUND_PART_STATIC)
+def _draft_part(draft_params, head, cache, lengths, *, target_config, drafter, sampling):
+  """A round's drafting: the context forward over `max_path` pairs, then the tree."""
+  width = drafter.tree.max_path
+  tokens = jnp.ones((1, width), jnp.int32)
+  features = jnp.zeros((1, width, feature_width(drafter, target_config)),
+                       target_config.dtype)
+  root_hidden, cache = draft_context(drafter, draft_params, head, tokens, features,
+                                     jnp.array([width], jnp.int32), cache)
+  tree, _ = draft_tree(drafter, draft_params, head, root_hidden, tokens[:, 0],
+                       cache.replace(lengths=lengths), sampling)
+  return tree
+
+
+@functools.partial(jax.jit, static_argnames=ROUND_PART_STATIC)
+def _verify_part(target_params, tree, cache, *, target_config, drafter, sampling):
+  """A round's verification: the target over the tree and the acceptance."""
+  model = Llama(target_config, feature_layers_of(drafter))
+  result, _, _ = verify_tree(model, target_params, drafter, tree, cache, sampling,
+                             jax.random.PRNGKey(0))
+  return result.path
+
+
 def round_split(target, drafter, draft_params, context_len: int,
                 sampling: SamplingConfig = SamplingConfig()) -> dict:
-  """Median ms of the draft part (context forward + tree) and of the verify part.
+  """Median ms of the draft part (context forward + tree) and of the verify part, on
+  caches of the loop's cache class: one compile of each part per drafter and class, so
+  timing it at another context compiles nothing.
 
   The verify part runs the target with its own config; a drafter built for another target
   config is refused (`check_draft_fits`), as in `generate`."""
   check_draft_fits(target, drafter, draft_params)
   tree_cfg = drafter.tree
-  max_len = context_len + max(tree_cfg.total_tokens, drafter.extra_cache_slots()) + 64
+  max_len = cache_class(context_len + max(tree_cfg.total_tokens, drafter.extra_cache_slots()))
   lengths = jnp.array([context_len], jnp.int32)
-  width = tree_cfg.max_path
-
-  def draft_part(draft_params, head, cache):
-    tokens = jnp.ones((1, width), jnp.int32)
-    features = jnp.zeros((1, width, feature_width(drafter, target.config)),
-                         target.config.dtype)
-    count = jnp.array([width], jnp.int32)
-    root_hidden, cache = draft_context(drafter, draft_params, head, tokens, features, count,
-                                       cache)
-    tree, _ = draft_tree(drafter, draft_params, head, root_hidden, tokens[:, 0],
-                         cache.replace(lengths=lengths), sampling)
-    return tree
-
-  draft_cache = drafter.new_cache(1, max_len).replace(lengths=lengths - width)
-  draft_jit = jax.jit(draft_part)
+  static = dict(target_config=target.config, drafter=drafter, sampling=sampling)
+  draft_cache = drafter.new_cache(1, max_len).replace(lengths=lengths - tree_cfg.max_path)
   head = drafting_head(target.config, target.params, drafter)  # once, as `generate` does
-  tree = draft_jit(draft_params, head, draft_cache)
-
-  model = Llama(target.config, feature_layers_of(drafter))
-
-  def verify_part(target_params, tree, cache):
-    result, _, _ = verify_tree(model, target_params, drafter, tree, cache, sampling,
-                               jax.random.PRNGKey(0))
-    return result.path
-
+  tree = _draft_part(draft_params, head, draft_cache, lengths, **static)
   target_cache = new_cache(target.config, 1, max_len).replace(lengths=lengths)
-  draft_ms = median_ms(lambda: draft_jit(draft_params, head, draft_cache))
-  verify_jit = jax.jit(verify_part)
-  verify_ms = median_ms(lambda: verify_jit(target.params, tree, target_cache))
+  draft_ms = median_ms(lambda: _draft_part(draft_params, head, draft_cache, lengths,
+                                           **static))
+  verify_ms = median_ms(lambda: _verify_part(target.params, tree, target_cache, **static))
   return {"draft_ms": draft_ms, "verify_ms": verify_ms,
           "draft_time_share": draft_ms / (draft_ms + verify_ms)}
