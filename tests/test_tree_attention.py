@@ -330,3 +330,29 @@ def test_kernel_on_each_devices_share_equals_it_whole():
       "(1, 1, 4) (None, ('data', 'fsdp'))",  # 2 kv heads on 4: whole
       "(4, 1, 1) (None, None, 'tensor')",  # 2 rows on 4: whole
       "tpu kernel (None, ('data', 'fsdp'), 'tensor')"], lines
+
+
+def test_cpu_attention_reads_the_filled_slots_only_and_exactly():
+  """`filled_attention` picks the narrowest power-of-two view that holds every slot the
+  mask shows and gives the whole cache's result (the rest is masked; only the order of
+  the sums may differ)."""
+  assert tree_attention.filled_widths(1024) == [256, 512, 1024]
+  assert tree_attention.filled_widths(4096) == [1024, 2048, 4096]
+  assert tree_attention.filled_widths(384) == [256, 384]
+  assert tree_attention.filled_widths(256) == [256]
+  q, keys, values, mask = inputs(2, 12, 2, 3, 16, 1024, dtype=jnp.float32)
+  stacked = lambda x: x[None]  # noqa: E731  a one-layer stacked cache [1, B, K, S, H]
+  widths_read = []
+
+  def plain(q, k, v, m):
+    widths_read.append(m.shape[-1])
+    return xla_attention(q, k[0, :, :, :m.shape[-1]], v[0, :, :, :m.shape[-1]], m)
+
+  filled = jax.jit(functools.partial(tree_attention.filled_attention, plain))
+  for last in (40, 300, 700):  # the largest slot the mask shows, + 1
+    shown = mask & (jnp.arange(1024) < last)
+    whole = jax.jit(xla_attention)(q, keys, values, shown)
+    got = filled(q, stacked(keys), stacked(values), shown)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(whole), rtol=1e-6, atol=1e-7)
+  # Traced once: every view a branch of one switch.
+  assert widths_read == [256, 512, 1024]
