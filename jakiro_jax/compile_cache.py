@@ -43,10 +43,11 @@ def enable(flag_value: str, auto_dir: str | None = None) -> str | None:
 
   `flag_value`: "auto" (`auto_dir`, else `default_dir()`), "" (off) or a directory.
   Returns the directory in use, or None when off."""
-  directory = (auto_dir or default_dir()) if flag_value == "auto" else flag_value
-  if not directory:
-    return None
   import jax
+  directory = (auto_dir or default_dir()) if flag_value == "auto" else flag_value
+  if not directory:  # off, also where importing jakiro_jax had turned it on
+    jax.config.update("jax_compilation_cache_dir", None)
+    return None
   try:
     os.makedirs(directory, exist_ok=True)
   except OSError as e:  # a cache is an optimisation: go on without it, and say so

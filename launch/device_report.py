@@ -65,6 +65,11 @@ _SCALE_PRESET = flags.DEFINE_enum("scale_preset", "auto",
                                   "on cpu).")
 _AR_GRID = flags.DEFINE_list("ar_grid", None, "ar_decode: DTYPE:BATCH:SLOTS triples "
                              "instead of the size's grid, e.g. float32:1:512.")
+_TREE_SETS = flags.DEFINE_list(
+    "tree_sets", None, "speculative: only these tree sets' units (config, papers, tuned); "
+    "default all. Each unit compiles its method's loop once: `--tree_sets=config` is every "
+    "method at T = 0 and 1 on its config tree, the plan of a 15-minute accelerator slot "
+    "(docs/device_report.md).")
 _TIME_BUDGET = flags.DEFINE_float("time_budget_s", None, "Wall-clock budget of the run "
                                   "(default: 510 s on full, none on cpu; 0 = none).")
 _FRESH = flags.DEFINE_bool("fresh", False, "Measure everything again (ignore report.json).")
@@ -117,6 +122,10 @@ def main(argv):
   if bad:
     raise app.UsageError(f"unknown methods {sorted(bad)}; registered: "
                          f"{list(registry.names())}")
+  unknown = set(_TREE_SETS.value or ()) - set(dr.TREE_SETS)
+  if unknown:
+    raise app.UsageError(f"--tree_sets: unknown {sorted(unknown)}; known: "
+                         f"{', '.join(dr.TREE_SETS)}")
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
   from jakiro_jax import compile_cache
@@ -153,7 +162,7 @@ def main(argv):
   if "speculative" in wanted:
     settings["speculative"] = dr.speculative_settings(
         size, config, _METHODS.value, _QUESTIONS_DIR.value, spec_files, _N_QUESTIONS.value,
-        _MAX_NEW.value, _DRAFT.value)
+        _MAX_NEW.value, _DRAFT.value, _TREE_SETS.value)
   if "peers" in wanted:
     settings["peers"] = dr.peers_settings(size, config.target, spec_files, _N_QUESTIONS.value,
                                           _MAX_NEW.value, _STATIC_COMPILE.value)

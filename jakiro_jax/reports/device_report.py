@@ -426,11 +426,16 @@ def tree_choice(config, method: str, tree_set: str):
 def speculative_settings(size: str, config, methods: Sequence[str], questions_dir: str,
                          files: Sequence[str], n_questions: int | None = None,
                          max_new_tokens: int | None = None,
-                         draft: str | None = None) -> dict:
+                         draft: str | None = None,
+                         tree_sets: Sequence[str] | None = None) -> dict:
   """Settings of `speculative`. units: [tree set, T, method] in the order they run (the
   most informative first, so a time budget cuts the least); not_measured: the rest of the
-  full grid with the reason."""
+  full grid with the reason. `tree_sets`: only these of `TREE_SETS` (a short device slot:
+  each unit compiles its loop once, so fewer units is what makes one fit)."""
   methods = list(methods)
+  bad = set(tree_sets or ()) - set(TREE_SETS)
+  if bad:
+    raise ValueError(f"unknown tree sets {sorted(bad)}; known: {', '.join(TREE_SETS)}")
   cpu = size != "full"
   full_units = [[ts, t, m] for ts in TREE_SETS for t in (0, 1) for m in methods]
   if cpu:
@@ -441,6 +446,9 @@ def speculative_settings(size: str, config, methods: Sequence[str], questions_di
     units = [[ts, t, m] for t in (0, 1) for ts in ("config", "papers") for m in methods]
     units += [["tuned", t, m] for t in (0, 1) for m in methods]
     reason = None
+  if tree_sets:
+    units = [u for u in units if u[0] in tree_sets]
+    reason = reason or f"tree sets {', '.join(tree_sets)} only (--tree_sets)"
   trees = {}
   for ts in ("config", "papers"):
     for m in methods:

@@ -277,8 +277,9 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
   each row's features over prompt + output (`GenerationOutput.features`), taken from the
   prefill and the decode steps themselves plus one forward of the last tokens, instead of
   a second pass over the finished sequences (`train.features.target_features`).
-  `prompt_width`: the padded prompt length of a custom prefill (`batching.prepare_batch`;
-  the dense one takes any prompt length up to the cache's in one compiled loop).
+  `prompt_width`: pad the prompts to this width and prefill them whole (`batching.
+  prepare_batch`), one program for that width; without it the dense prefill runs in
+  chunks inside the loop, one program for every prompt length of a cache class.
 
   With a `mesh` (`jakiro_jax.sharding.make_mesh`) the same loop runs as one jit with the
   target's weights, the prompts and the cache sharded by the logical-axis rules;
@@ -290,7 +291,9 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
       raise ValueError("feature_layers: features are collected with the dense prefill "
                        "(no prefill_fn)")
     feature_layers = check_feature_layers(target.config, feature_layers)
-  chunk = None if prefill_fn is not None else prefill_chunk()
+  # A caller who fixed the prompt width has one program already (gen_data): its prefill
+  # attends to the prompt's own slots, not the cache's (`llama.Attention`'s narrow mask).
+  chunk = None if prefill_fn is not None or prompt_width is not None else prefill_chunk()
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
                         prompt_width=prompt_width, chunk=chunk)
   size = len(batch.lengths)
