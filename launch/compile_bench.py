@@ -23,7 +23,8 @@ from launch import cli
 
 _CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
                                  "Experiment config file.", lock_config=True)
-_METHOD = flags.DEFINE_enum("method", "jakiro", registry.names(), "Draft method.")
+_METHOD = flags.DEFINE_enum("method", None, list(registry.names()),
+                            "Draft method (required).")
 _LENGTHS = flags.DEFINE_list("lengths", ["12", "150", "420"],
                              "Prompt lengths in tokens, run in this order.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.", lower_bound=1)
@@ -54,10 +55,9 @@ def prompt_of_length(target, length: int, question: str = "What grows in the gar
 def main(argv):
   if len(argv) > 1:
     raise cli.app.UsageError(f"unexpected arguments: {argv[1:]}")
-  try:
-    lengths = [int(v) for v in _LENGTHS.value]
-  except ValueError:
-    raise cli.app.UsageError(f"--lengths takes integers, got {_LENGTHS.value}") from None
+  lengths = cli.positive_ints(_LENGTHS.value, "lengths")
+  if _METHOD.value is None:
+    raise cli.app.UsageError(f"pass --method (one of {', '.join(registry.names())})")
   from jakiro_jax.compile_cache import CompileTime
   from jakiro_jax.drafts.io import resolve_draft
   from jakiro_jax.drafts.registry import tree_and_options
