@@ -96,36 +96,36 @@ def main(argv):
     loaded[method] = resolve_draft(target, method, draft, tree, _SEED.value, options)
     names[method] = method + ("_reference" if parity else "")
   started = time.perf_counter()
-  compiled = CompileTime().__enter__()  # every compile of the run, for its share below
-  for temperature in temperatures:
-    sampling = SamplingConfig(temperature=temperature)
-    for category, turns in questions.items():
-      todo = [m for m in methods if not os.path.exists(
-          result_path(_OUT.value, category, temperature, names[m]))]
-      if not todo:
-        continue
-      print(f"{category} T={temperature:g}: {len(turns)} questions, "
-            f"{', '.join(names[m] for m in todo)}", file=sys.stderr)
-      done = [names[m] for m in methods if m not in todo]
-      if done:  # summary.md marks the two runs
-        print(f"  against a new AR run: {', '.join(done)} in {_OUT.value} were measured "
-              f"against an earlier one", file=sys.stderr)
-      prompts = [target.chat_prompt(q, config.system_prompt or None) for q in turns]
-      ar = ar_baseline(target, prompts, _MAX_NEW.value, sampling, _SEED.value)
-      for method in todo:
-        drafter, params = loaded[method]
-        fields, _ = spec_report(target, drafter, params, prompts, ar, _MAX_NEW.value,
-                                sampling, _SEED.value,
-                                drafts[methods.index(method)] or "shipped")
-        report = dict(base_report(names[method], target, prompts, _MAX_NEW.value, sampling,
-                                  ar), category=category, **fields)
-        path = result_path(_OUT.value, category, temperature, names[method])
-        with open(path + ".tmp", "w") as f:
-          json.dump(report, f, indent=2)
-        os.replace(path + ".tmp", path)
-        print(f"  {names[method]}: tau {report['tau']:.2f}, {report['tokens_per_s']:.1f} tokens/s, "
-              f"speedup {report['speedup']:.2f}x", file=sys.stderr)
-  compiled.__exit__()
+  with CompileTime() as compiled:  # every compile of the run, for its share below
+    for temperature in temperatures:
+      sampling = SamplingConfig(temperature=temperature)
+      for category, turns in questions.items():
+        todo = [m for m in methods if not os.path.exists(
+            result_path(_OUT.value, category, temperature, names[m]))]
+        if not todo:
+          continue
+        print(f"{category} T={temperature:g}: {len(turns)} questions, "
+              f"{', '.join(names[m] for m in todo)}", file=sys.stderr)
+        done = [names[m] for m in methods if m not in todo]
+        if done:  # summary.md marks the two runs
+          print(f"  against a new AR run: {', '.join(done)} in {_OUT.value} were measured "
+                f"against an earlier one", file=sys.stderr)
+        prompts = [target.chat_prompt(q, config.system_prompt or None) for q in turns]
+        ar = ar_baseline(target, prompts, _MAX_NEW.value, sampling, _SEED.value)
+        for method in todo:
+          drafter, params = loaded[method]
+          fields, _ = spec_report(target, drafter, params, prompts, ar, _MAX_NEW.value,
+                                  sampling, _SEED.value,
+                                  drafts[methods.index(method)] or "shipped")
+          report = dict(base_report(names[method], target, prompts, _MAX_NEW.value, sampling,
+                                    ar), category=category, **fields)
+          path = result_path(_OUT.value, category, temperature, names[method])
+          with open(path + ".tmp", "w") as f:
+            json.dump(report, f, indent=2)
+          os.replace(path + ".tmp", path)
+          print(f"  {names[method]}: tau {report['tau']:.2f}, "
+                f"{report['tokens_per_s']:.1f} tokens/s, speedup {report['speedup']:.2f}x",
+                file=sys.stderr)
   wall = time.perf_counter() - started
   table = summary_table([r for r in load_results(_OUT.value) if "category" in r])
   compile_line = (f"This run: {wall:.0f} s after the target and drafts loaded, "

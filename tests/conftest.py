@@ -10,6 +10,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Each test compiles what it runs (tests count compiles); the persistent cache's own test
 # turns it on in a child process.
 os.environ.setdefault("JAKIRO_JAX_COMPILE_CACHE", "off")
+# Short requests get a short cache (the ladder from one prefill chunk): the platform's first
+# rung (1,024 slots on a CPU) made the suite's hundreds of loops 2-4x slower. The ladder's
+# own tests (test_compile_once, the compile-once tests of the loops) clear it.
+os.environ.setdefault("JAKIRO_JAX_MIN_CACHE_SLOTS", "64")
 if os.environ.get("PYTEST_XDIST_WORKER"):
   # Two xdist workers share the cores: torch's OpenMP threads spin-wait and, beside the
   # other worker's XLA threads, made a 17 s transformers comparison take 100 s. One torch

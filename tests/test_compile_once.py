@@ -37,10 +37,23 @@ def tiny():
   return target, drafter, drafter.init_params(jax.random.PRNGKey(1))
 
 
-def test_the_cache_ladder_and_the_chunked_width():
+@pytest.fixture(autouse=True)
+def default_ladder(monkeypatch):
+  """This file tests the platform's own first rung (the suite may set a smaller one)."""
+  monkeypatch.delenv(batching.MIN_CACHE_SLOTS_ENV, raising=False)
+
+
+def test_the_cache_ladder_and_the_chunked_width(monkeypatch):
   assert [batching.cache_class(n, "tpu") for n in (1, 512, 513, 1500, 2049)] == [
       512, 512, 1024, 2048, 4096]
   assert [batching.cache_class(n, "cpu") for n in (1, 1024, 1500)] == [1024, 1024, 2048]
+  # A large batch starts lower, its rows x first rung at most 8 x the platform's, down to
+  # one prefill chunk; it climbs the same doubling ladder.
+  assert [batching.min_cache_class("cpu", rows) for rows in (8, 9, 17, 64, 10_000)] == [
+      1024, 512, 256, 128, 64]
+  assert [batching.min_cache_class("tpu", rows) for rows in (8, 9, 10_000)] == [512, 256, 256]
+  assert batching.cache_class(300, "cpu", rows=64) == 512
+  assert batching.prepare_batch(TINY, [[5] * 3] * 1000, 3, chunk=64).max_len == 64
   batch = batching.prepare_batch(TINY, [[5] * 300, [6] * 7], [40, 100], extra_slots=4,
                                  chunk=64)
   slots = batching.min_cache_class()
@@ -49,6 +62,14 @@ def test_the_cache_ladder_and_the_chunked_width():
   assert batching.prepare_batch(TINY, [[5] * 9], 8, max_len=100, chunk=64).max_len == 128
   # Without a chunk (a custom prefill) the prompt keeps its bucket.
   assert batching.prepare_batch(TINY, [[5] * 9], 8).tokens.shape == (1, 16)
+  # The environment sets the first rung (a power of two, at least one chunk).
+  monkeypatch.setenv(batching.MIN_CACHE_SLOTS_ENV, "256")
+  assert [batching.cache_class(n, "cpu") for n in (1, 300)] == [256, 512]
+  monkeypatch.setenv(batching.MIN_CACHE_SLOTS_ENV, "32")
+  assert batching.min_cache_class("cpu") == 64 and batching.min_cache_class("tpu") == 256
+  monkeypatch.setenv(batching.MIN_CACHE_SLOTS_ENV, "300")
+  with pytest.raises(ValueError, match="JAKIRO_JAX_MIN_CACHE_SLOTS='300'.*power of two"):
+    batching.min_cache_class("cpu")
 
 
 def test_prompt_lengths_and_budgets_share_one_program_per_loop(tiny):

@@ -4,13 +4,16 @@ The loops compile once per cache class, not per prompt length: the dense prefill
 inside the loop in chunks of `prefill_chunk()` tokens over a prompt padded to the cache's
 width, and the cache size is the smallest rung of `cache_class`'s ladder that holds the
 request (or the caller's `max_len`, rounded up to a whole chunk): 1,024 slots and up on a
-CPU, 512 and up elsewhere. A custom prefill
+CPU, 512 and up elsewhere (`$JAKIRO_JAX_MIN_CACHE_SLOTS` sets another first rung), for a
+batch of up to `FULL_RUNG_ROWS` rows (a larger batch starts lower, so that its cache's
+memory stays that of 8 rows). A custom prefill
 (`prefill_fn`) still takes the prompt whole, padded to its length bucket.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Sequence
 
 import numpy as np
@@ -26,6 +29,12 @@ MIN_PROMPT_BUCKET = 8  # short prompts pad to a power of two from here up to PRO
 # tokens as it serves a 12-token one.
 MIN_CACHE_CLASS = 512
 CPU_MIN_CACHE_CLASS = 1024
+# A power of two here replaces the platform's first rung (never under one prefill chunk):
+# a smaller cache for many short requests, at a program per rung they climb.
+MIN_CACHE_SLOTS_ENV = "JAKIRO_JAX_MIN_CACHE_SLOTS"
+# Batches of more rows start the ladder lower (halved for each doubling of the rows, down
+# to one prefill chunk): 10^4 rows of 3 new tokens each do not pad to 1,024 slots.
+FULL_RUNG_ROWS = 8
 # Prompt tokens per prefill chunk: on a CPU a forward costs about its tokens, and a chat
 # prompt is under 64; an accelerator's matmul units want wider chunks.
 CPU_PREFILL_CHUNK = 64
@@ -46,18 +55,33 @@ def prompt_bucket(length: int) -> int:
   return bucket
 
 
-def min_cache_class(platform: str | None = None) -> int:
-  """The cache ladder's first rung on `platform` (default: JAX's default backend)."""
+def min_cache_class(platform: str | None = None, rows: int = 1) -> int:
+  """The cache ladder's first rung on `platform` (default: JAX's default backend) for a
+  batch of `rows`: the platform's rung up to `FULL_RUNG_ROWS` rows, halved for each
+  doubling past them, never under one prefill chunk."""
   if platform is None:
     import jax
     platform = jax.default_backend()
-  return CPU_MIN_CACHE_CLASS if platform == "cpu" else MIN_CACHE_CLASS
+  full = size = _first_rung(platform)
+  while size > prefill_chunk(platform) and rows * size > FULL_RUNG_ROWS * full:
+    size //= 2
+  return size
 
 
-def cache_class(slots: int, platform: str | None = None) -> int:
+def _first_rung(platform: str) -> int:
+  chosen = os.environ.get(MIN_CACHE_SLOTS_ENV, "").strip()
+  if not chosen:
+    return CPU_MIN_CACHE_CLASS if platform == "cpu" else MIN_CACHE_CLASS
+  if not chosen.isdigit() or int(chosen) < 1 or int(chosen) & (int(chosen) - 1):
+    raise ValueError(f"{MIN_CACHE_SLOTS_ENV}={chosen!r}: the cache ladder's first rung is "
+                     f"a power of two (e.g. 256)")
+  return max(int(chosen), prefill_chunk(platform))
+
+
+def cache_class(slots: int, platform: str | None = None, rows: int = 1) -> int:
   """The smallest rung of the cache ladder (powers of two from `min_cache_class`) that
-  holds `slots`."""
-  size = min_cache_class(platform)
+  holds `slots`, for a batch of `rows`."""
+  size = min_cache_class(platform, rows)
   while size < slots:
     size *= 2
   return size
@@ -135,7 +159,7 @@ def prepare_batch(config: LlamaConfig, prompts: Sequence[Sequence[int]],
   scratch = scratch_slots(extra_slots)
   if max_len is None:
     # A rung of the ladder: requests of any prompt length share the compiled loop.
-    max_len = cache_class(length + budget + scratch)
+    max_len = cache_class(length + budget + scratch, rows=len(prompts))
   elif length + budget + scratch > max_len:
     raise ValueError(
         f"prompt length {length} + max_new_tokens {budget}"

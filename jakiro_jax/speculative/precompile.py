@@ -31,10 +31,11 @@ class Precompiled:
   wall_s: float  # the whole call: tracing, compiling or reading the cache, one chunk
 
 
-def cache_classes(max_len: int | None) -> list[int]:
-  """The ladder's rungs up to the one holding `max_len` (None: the first rung)."""
-  rungs = [min_cache_class()]
-  while max_len is not None and rungs[-1] < cache_class(max_len):
+def cache_classes(max_len: int | None, rows: int = 1) -> list[int]:
+  """The ladder's rungs for a batch of `rows` up to the one holding `max_len` (None: the
+  first rung)."""
+  rungs = [min_cache_class(rows=rows)]
+  while max_len is not None and rungs[-1] < cache_class(max_len, rows=rows):
     rungs.append(rungs[-1] * 2)
   return rungs
 
@@ -45,7 +46,7 @@ def precompile(target, drafter=None, draft_params=None, batch_sizes: Sequence[in
   """Compiles (or reads from the persistent cache) the loops later requests will run:
   our AR loop (`ar`) and, with a `drafter` and its `draft_params`, the speculative loop,
   for each batch size and each cache class up to `max_len` (default: the first rung,
-  `batching.min_cache_class()` slots, which holds a prompt plus budget plus the last
+  `batching.min_cache_class(rows=batch)` slots, which holds a prompt plus budget plus the last
   round's scratch up to that). `sampling` is part of a program: pass the one you will
   generate with. A line per program goes to stderr with `progress`.
   """
@@ -54,8 +55,8 @@ def precompile(target, drafter=None, draft_params=None, batch_sizes: Sequence[in
   if not batch_sizes or any(int(b) < 1 for b in batch_sizes):
     raise ValueError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
   loops = (["ar"] if ar else []) + ([drafter.name] if drafter is not None else [])
-  runs = [(loop, int(batch), slots) for slots in cache_classes(max_len)
-          for batch in batch_sizes for loop in loops]
+  runs = [(loop, int(batch), slots) for batch in batch_sizes
+          for slots in cache_classes(max_len, int(batch)) for loop in loops]
   done = []
   for i, (loop, batch, slots) in enumerate(runs):
     prompts = [[0]] * batch  # one token each and one new token: one chunk, no round
