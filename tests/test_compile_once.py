@@ -46,13 +46,14 @@ def default_ladder(monkeypatch):
 def test_the_cache_ladder_and_the_chunked_width(monkeypatch):
   assert [batching.cache_class(n, "tpu") for n in (1, 512, 513, 1500, 2049)] == [
       512, 512, 1024, 2048, 4096]
-  assert [batching.cache_class(n, "cpu") for n in (1, 1024, 1500)] == [1024, 1024, 2048]
+  assert [batching.cache_class(n, "cpu") for n in (1, 512, 1024, 1500)] == [
+      512, 512, 1024, 2048]
   # A large batch starts lower, its rows x first rung at most 8 x the platform's, down to
   # one prefill chunk; it climbs the same doubling ladder.
   assert [batching.min_cache_class("cpu", rows) for rows in (8, 9, 17, 64, 10_000)] == [
-      1024, 512, 256, 128, 64]
+      512, 256, 128, 64, 64]
   assert [batching.min_cache_class("tpu", rows) for rows in (8, 9, 10_000)] == [512, 256, 256]
-  assert batching.cache_class(300, "cpu", rows=64) == 512
+  assert batching.cache_class(100, "cpu", rows=64) == 128
   assert batching.prepare_batch(TINY, [[5] * 3] * 1000, 3, chunk=64).max_len == 64
   batch = batching.prepare_batch(TINY, [[5] * 300, [6] * 7], [40, 100], extra_slots=4,
                                  chunk=64)

@@ -3,8 +3,8 @@
 The loops compile once per cache class, not per prompt length: the dense prefill runs
 inside the loop in chunks of `prefill_chunk()` tokens over a prompt padded to the cache's
 width, and the cache size is the smallest rung of `cache_class`'s ladder that holds the
-request (or the caller's `max_len`, rounded up to a whole chunk): 1,024 slots and up on a
-CPU, 512 and up elsewhere (`$JAKIRO_JAX_MIN_CACHE_SLOTS` sets another first rung), for a
+request (or the caller's `max_len`, rounded up to a whole chunk): 512 slots and up
+(`$JAKIRO_JAX_MIN_CACHE_SLOTS` sets another first rung), for a
 batch of up to `FULL_RUNG_ROWS` rows (a larger batch starts lower, so that its cache's
 memory stays that of 8 rows). A custom prefill
 (`prefill_fn`) still takes the prompt whole, padded to its length bucket.
@@ -23,17 +23,19 @@ from jakiro_jax.models.config import LlamaConfig
 PROMPT_BUCKET = 64  # long prompts pad to a multiple of this, so lengths share compilations
 MIN_PROMPT_BUCKET = 8  # short prompts pad to a power of two from here up to PROMPT_BUCKET
 # The ladder of cache sizes: powers of two from here. A request's cache is the first rung
-# that holds its longest row's prompt, budget and last round's scratch slots. A CPU's
-# attention reads the filled slots only (`tree_attention.filled_attention`), so a larger
-# first rung costs it memory, not time: one program serves a 420-token prompt and 128 new
-# tokens as it serves a 12-token one.
+# that holds its longest row's prompt, budget and last round's scratch slots: one program
+# serves a 420-token prompt and 60 new tokens as it serves a 12-token one. A CPU's
+# attention reads the filled slots only (`tree_attention.filled_attention`), but a
+# 1,024-slot first rung made SmolLM2's 4-7 node verify 16 ms slower than 512 slots did
+# (`round_timing.round_split` at a 100-token context, 31-37 ms at 256 or 512 slots, 47-52
+# at 1,024), and the main job's tuner then chose no tree.
 MIN_CACHE_CLASS = 512
-CPU_MIN_CACHE_CLASS = 1024
+CPU_MIN_CACHE_CLASS = 512
 # A power of two here replaces the platform's first rung (never under one prefill chunk):
 # a smaller cache for many short requests, at a program per rung they climb.
 MIN_CACHE_SLOTS_ENV = "JAKIRO_JAX_MIN_CACHE_SLOTS"
 # Batches of more rows start the ladder lower (halved for each doubling of the rows, down
-# to one prefill chunk): 10^4 rows of 3 new tokens each do not pad to 1,024 slots.
+# to one prefill chunk): 10^4 rows of 3 new tokens each do not pad to 512 slots.
 FULL_RUNG_ROWS = 8
 # Prompt tokens per prefill chunk: on a CPU a forward costs about its tokens, and a chat
 # prompt is under 64; an accelerator's matmul units want wider chunks.
