@@ -7,7 +7,7 @@ For each prompt length in turn (a chat prompt of about that many tokens) it runs
 speculative loop (`generate`) and then our AR loop (`generate_ar`) twice each: the first
 call's compile seconds and programs (`jax.monitoring`'s backend compiles), then the second
 call's decode seconds. Run it twice to see what the persistent compile cache keeps
-(`--compile_cache=""` turns it off). The draft runs on the config's tree of `--method`.
+(`JAKIRO_JAX_COMPILE_CACHE=off` turns it off). The draft runs on the config's tree of `--method`.
 """
 
 from __future__ import annotations
