@@ -23,12 +23,12 @@ from launch import cli
 
 _CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
                                  "Experiment config file.", lock_config=True)
-_METHOD = flags.DEFINE_enum("method", None, list(registry.names()),
-                            "Draft method (required).")
+_METHOD = flags.DEFINE_enum("method", None, list(registry.names()), "Draft method.")
 _LENGTHS = flags.DEFINE_list("lengths", ["12", "150", "420"],
                              "Prompt lengths in tokens, run in this order.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.", lower_bound=1)
 _OUT = flags.DEFINE_string("out", None, "Write the results here as JSON.")
+flags.mark_flag_as_required("method")
 
 # Plain words that tokenize one or two tokens each; a prompt of n tokens takes as many as fit.
 _FILLER = ("Please read the following notes about a small garden and then answer the "
@@ -56,8 +56,6 @@ def main(argv):
   if len(argv) > 1:
     raise cli.app.UsageError(f"unexpected arguments: {argv[1:]}")
   lengths = cli.positive_ints(_LENGTHS.value, "lengths")
-  if _METHOD.value is None:
-    raise cli.app.UsageError(f"pass --method (one of {', '.join(registry.names())})")
   from jakiro_jax.compile_cache import CompileTime
   from jakiro_jax.drafts.io import resolve_draft
   from jakiro_jax.drafts.registry import tree_and_options

@@ -46,9 +46,8 @@ def test_stop_token_and_per_row_budgets(tiny_pair):
   assert len(out[2]) <= 16 and out[2] == free[2][:len(out[2])]
 
 
-def test_compiles_once_per_cache_class(tiny_pair, monkeypatch):
+def test_compiles_once_per_cache_class(tiny_pair, monkeypatch, platform_ladder):
   _, target = tiny_pair
-  monkeypatch.delenv(batching.MIN_CACHE_SLOTS_ENV, raising=False)  # the platform's ladder
   # The loop under a fresh jit that fails on a second trace (= a second compilation).
   monkeypatch.setattr(autoregressive, "ar_generate_jit", jax.jit(
       chex.assert_max_traces(autoregressive._ar_loop, n=1),

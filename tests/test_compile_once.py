@@ -25,6 +25,7 @@ from jakiro_jax.speculative.generate import generate
 from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.target import Target
 
+pytestmark = pytest.mark.usefixtures("platform_ladder")  # the platform's own ladder
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layers=2,
                    num_heads=6, num_kv_heads=2, head_dim=12, max_position_embeddings=1024)
@@ -35,12 +36,6 @@ def tiny():
   target = Target(TINY, init_params(TINY, jax.random.PRNGKey(0)), None, "tiny", (3,))
   drafter = make_drafter("eagle2", TINY, TreeConfig(top_k=2, depth=2, total_tokens=4))
   return target, drafter, drafter.init_params(jax.random.PRNGKey(1))
-
-
-@pytest.fixture(autouse=True)
-def default_ladder(monkeypatch):
-  """This file tests the platform's own first rung (the suite may set a smaller one)."""
-  monkeypatch.delenv(batching.MIN_CACHE_SLOTS_ENV, raising=False)
 
 
 def test_the_cache_ladder_and_the_chunked_width(monkeypatch):

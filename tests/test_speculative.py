@@ -14,7 +14,6 @@ from drafters import OracleDrafter, registered_drafter
 from jakiro_jax.drafts import names
 from jakiro_jax.drafts import make_drafter
 from jakiro_jax.drafts.eagle2 import Eagle2Drafter
-from jakiro_jax.speculative import batching
 from jakiro_jax.speculative import generate as spec_generate
 from jakiro_jax.speculative.autoregressive import generate_ar
 from jakiro_jax.speculative.batching import scratch_slots
@@ -143,8 +142,7 @@ def test_tree_invariants(target):
     assert depth[b].max() <= tree_cfg.depth + 1
 
 
-def test_speculative_loop_compiles_once(target, monkeypatch):
-  monkeypatch.delenv(batching.MIN_CACHE_SLOTS_ENV, raising=False)  # the platform's ladder
+def test_speculative_loop_compiles_once(target, monkeypatch, platform_ladder):
   drafter = Eagle2Drafter(target.config, TREES[0])
   params = drafter.init_params(jax.random.PRNGKey(0))
   # The loop under a fresh jit that fails on a second trace (= a second compilation).

@@ -30,7 +30,6 @@ MIN_PROMPT_BUCKET = 8  # short prompts pad to a power of two from here up to PRO
 # (`round_timing.round_split` at a 100-token context, 31-37 ms at 256 or 512 slots, 47-52
 # at 1,024), and the main job's tuner then chose no tree.
 MIN_CACHE_CLASS = 512
-CPU_MIN_CACHE_CLASS = 512
 # A power of two here replaces the platform's first rung (never under one prefill chunk):
 # a smaller cache for many short requests, at a program per rung they climb.
 MIN_CACHE_SLOTS_ENV = "JAKIRO_JAX_MIN_CACHE_SLOTS"
@@ -59,8 +58,9 @@ def prompt_bucket(length: int) -> int:
 
 def min_cache_class(platform: str | None = None, rows: int = 1) -> int:
   """The cache ladder's first rung on `platform` (default: JAX's default backend) for a
-  batch of `rows`: the platform's rung up to `FULL_RUNG_ROWS` rows, halved for each
-  doubling past them, never under one prefill chunk."""
+  batch of `rows`: `MIN_CACHE_CLASS` (or `$JAKIRO_JAX_MIN_CACHE_SLOTS`) up to
+  `FULL_RUNG_ROWS` rows, halved for each doubling past them, never under one prefill
+  chunk (the platform's)."""
   if platform is None:
     import jax
     platform = jax.default_backend()
@@ -71,9 +71,10 @@ def min_cache_class(platform: str | None = None, rows: int = 1) -> int:
 
 
 def _first_rung(platform: str) -> int:
+  """`MIN_CACHE_CLASS`, or the environment's power of two (at least one chunk)."""
   chosen = os.environ.get(MIN_CACHE_SLOTS_ENV, "").strip()
   if not chosen:
-    return CPU_MIN_CACHE_CLASS if platform == "cpu" else MIN_CACHE_CLASS
+    return MIN_CACHE_CLASS
   if not chosen.isdigit() or int(chosen) < 1 or int(chosen) & (int(chosen) - 1):
     raise ValueError(f"{MIN_CACHE_SLOTS_ENV}={chosen!r}: the cache ladder's first rung is "
                      f"a power of two (e.g. 256)")

@@ -45,9 +45,9 @@ def precompile(target, drafter=None, draft_params=None, batch_sizes: Sequence[in
                ar: bool = True, mesh=None, progress: bool = True) -> list[Precompiled]:
   """Compiles (or reads from the persistent cache) the loops later requests will run:
   our AR loop (`ar`) and, with a `drafter` and its `draft_params`, the speculative loop,
-  for each batch size and each cache class up to `max_len` (default: the first rung,
-  `batching.min_cache_class(rows=batch)` slots, which holds a prompt plus budget plus the last
-  round's scratch up to that). `sampling` is part of a program: pass the one you will
+  for each batch size and each cache class up to `max_len` (default: the batch's first
+  rung, `batching.min_cache_class(rows=batch)` slots, which holds a prompt plus budget
+  plus the last round's scratch up to that). `sampling` is part of a program: pass the one you will
   generate with. A line per program goes to stderr with `progress`.
   """
   if drafter is not None and draft_params is None:
