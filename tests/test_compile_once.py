@@ -41,12 +41,13 @@ def tiny():
 def test_the_cache_ladder_and_the_chunked_width(monkeypatch):
   assert [batching.cache_class(n, "tpu") for n in (1, 512, 513, 1500, 2049)] == [
       512, 512, 1024, 2048, 4096]
+  # A CPU's attention reads the filled slots only: its ladder starts higher.
   assert [batching.cache_class(n, "cpu") for n in (1, 512, 1024, 1500)] == [
-      512, 512, 1024, 2048]
+      1024, 1024, 1024, 2048]
   # A large batch starts lower, its rows x first rung at most 8 x the platform's, down to
   # one prefill chunk; it climbs the same doubling ladder.
   assert [batching.min_cache_class("cpu", rows) for rows in (8, 9, 17, 64, 10_000)] == [
-      512, 256, 128, 64, 64]
+      1024, 512, 256, 128, 64]
   assert [batching.min_cache_class("tpu", rows) for rows in (8, 9, 10_000)] == [512, 256, 256]
   assert batching.cache_class(100, "cpu", rows=64) == 128
   assert batching.prepare_batch(TINY, [[5] * 3] * 1000, 3, chunk=64).max_len == 64
@@ -194,3 +195,29 @@ def test_the_default_cache_is_under_the_users_cache_dir(tmp_path, monkeypatch):
   monkeypatch.setenv("JAKIRO_JAX_CACHE", str(tmp_path))
   from jakiro_jax import compile_cache
   assert compile_cache.default_dir() == str(tmp_path / "xla")
+
+
+def test_round_parts_are_timed_on_the_cache_in_place(tiny, monkeypatch):
+  """`round_split` times each part as the loop runs it: the cache it writes is donated
+  (a copy of the whole cache would be timed as the cost of its size), and a second
+  context in the same cache class compiles nothing."""
+  from jakiro_jax.speculative import round_timing
+
+  target, drafter, params = tiny
+  given = []
+
+  def spy(part):
+    def run(*args, **kwargs):
+      cache = args[2]
+      out = part(*args, **kwargs)
+      given.append(cache.k.is_deleted())
+      return out
+    return run
+  monkeypatch.setattr(round_timing, "_draft_part", spy(round_timing._draft_part))
+  monkeypatch.setattr(round_timing, "_verify_part", spy(round_timing._verify_part))
+  split = round_timing.round_split(target, drafter, params, 40)
+  assert split["draft_ms"] > 0 and split["verify_ms"] > 0
+  assert len(given) > 10 and all(given)  # every call's cache was taken over, not copied
+  with CompileTime() as compiled:
+    round_timing.round_split(target, drafter, params, 300)
+  assert compiled.count == 0

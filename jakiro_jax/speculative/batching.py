@@ -3,8 +3,8 @@
 The loops compile once per cache class, not per prompt length: the dense prefill runs
 inside the loop in chunks of `prefill_chunk()` tokens over a prompt padded to the cache's
 width, and the cache size is the smallest rung of `cache_class`'s ladder that holds the
-request (or the caller's `max_len`, rounded up to a whole chunk): 512 slots and up
-(`$JAKIRO_JAX_MIN_CACHE_SLOTS` sets another first rung), for a
+request (or the caller's `max_len`, rounded up to a whole chunk): 1,024 slots and up on a
+CPU, 512 on accelerators (`$JAKIRO_JAX_MIN_CACHE_SLOTS` sets another first rung), for a
 batch of up to `FULL_RUNG_ROWS` rows (a larger batch starts lower, so that its cache's
 memory stays that of 8 rows). A custom prefill
 (`prefill_fn`) still takes the prompt whole, padded to its length bucket.
@@ -23,12 +23,14 @@ from jakiro_jax.models.config import LlamaConfig
 PROMPT_BUCKET = 64  # long prompts pad to a multiple of this, so lengths share compilations
 MIN_PROMPT_BUCKET = 8  # short prompts pad to a power of two from here up to PROMPT_BUCKET
 # The ladder of cache sizes: powers of two from here. A request's cache is the first rung
-# that holds its longest row's prompt, budget and last round's scratch slots: one program
-# serves a 420-token prompt and 60 new tokens as it serves a 12-token one. A CPU's
-# attention reads the filled slots only (`tree_attention.filled_attention`), but a
-# 1,024-slot first rung made SmolLM2's 4-7 node verify 16 ms slower than 512 slots did
-# (`round_timing.round_split` at a 100-token context, 31-37 ms at 256 or 512 slots, 47-52
-# at 1,024), and the main job's tuner then chose no tree.
+# that holds its longest row's prompt, budget and last round's scratch slots. A CPU's
+# attention reads the filled slots only (`tree_attention.filled_attention`), so its first
+# rung is 1,024 slots at no cost to a step: one program serves a 420-token prompt and 128
+# new tokens as it serves a 12-token one (SmolLM2 on a 2-core CPU at a 100-token
+# context, alternated, medians of 8: decode 35.1 / 34.6 ms at 1,024 / 512 slots, a 4-node
+# verify 39.8 / 40.0 ms). The accelerators' kernels read every slot: their ladder starts
+# at 512.
+CPU_MIN_CACHE_CLASS = 1024
 MIN_CACHE_CLASS = 512
 # A power of two here replaces the platform's first rung (never under one prefill chunk):
 # a smaller cache for many short requests, at a program per rung they climb.
@@ -58,7 +60,7 @@ def prompt_bucket(length: int) -> int:
 
 def min_cache_class(platform: str | None = None, rows: int = 1) -> int:
   """The cache ladder's first rung on `platform` (default: JAX's default backend) for a
-  batch of `rows`: `MIN_CACHE_CLASS` (or `$JAKIRO_JAX_MIN_CACHE_SLOTS`) up to
+  batch of `rows`: the platform's (`_first_rung`) up to
   `FULL_RUNG_ROWS` rows, halved for each doubling past them, never under one prefill
   chunk (the platform's)."""
   if platform is None:
@@ -71,10 +73,11 @@ def min_cache_class(platform: str | None = None, rows: int = 1) -> int:
 
 
 def _first_rung(platform: str) -> int:
-  """`MIN_CACHE_CLASS`, or the environment's power of two (at least one chunk)."""
+  """The platform's first rung (`CPU_MIN_CACHE_CLASS`, `MIN_CACHE_CLASS`), or the
+  environment's power of two (at least one chunk)."""
   chosen = os.environ.get(MIN_CACHE_SLOTS_ENV, "").strip()
   if not chosen:
-    return MIN_CACHE_CLASS
+    return CPU_MIN_CACHE_CLASS if platform == "cpu" else MIN_CACHE_CLASS
   if not chosen.isdigit() or int(chosen) < 1 or int(chosen) & (int(chosen) - 1):
     raise ValueError(f"{MIN_CACHE_SLOTS_ENV}={chosen!r}: the cache ladder's first rung is "
                      f"a power of two (e.g. 256)")
