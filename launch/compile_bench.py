@@ -1,7 +1,7 @@
 """Compile seconds and programs per prompt length, apart from decode time, in one process.
 
   python -m launch.compile_bench --config=configs/smollm2_135m.py --method=jakiro \
-      --lengths=12,150,420 --max_new_tokens=64 --out=compile.json
+      --lengths=12,150,420 --out=compile.json
 
 For each prompt length in turn (a chat prompt of about that many tokens) it runs the
 speculative loop (`generate`) and then our AR loop (`generate_ar`) twice each: the first
@@ -26,7 +26,8 @@ _CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
 _METHOD = flags.DEFINE_enum("method", None, list(registry.names()), "Draft method.")
 _LENGTHS = flags.DEFINE_list("lengths", ["12", "150", "420"],
                              "Prompt lengths in tokens, run in this order.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.", lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128,
+                                "New tokens per prompt (`generate`'s default).", lower_bound=1)
 _OUT = flags.DEFINE_string("out", None, "Write the results here as JSON.")
 flags.mark_flag_as_required("method")
 
