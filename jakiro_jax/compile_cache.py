@@ -10,8 +10,14 @@ generation loop takes 10-15 s on a 2-core CPU, minutes for a large target on a T
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
+import pathlib
+import pickle
+import tempfile
+import time
 
 
 def default_dir() -> str:
@@ -63,16 +69,18 @@ def enable(flag_value: str, auto_dir: str | None = None) -> str | None:
 
 class CompileTime:
   """Compilations and their seconds while the context is open (`jax.monitoring`), apart
-  from programs read back from the persistent cache (`loaded`, `load_seconds`), and the
-  programs traced (`traces`: each jit's first call with its shapes in this process,
-  compiled or read from the cache; a call that traced nothing ran warm)."""
+  from programs read back from the persistent cache or loaded as kept executables
+  (`loaded`, `load_seconds`), and the programs traced (`traces`: each jit's first call
+  with its shapes in this process, compiled or read from the cache). A block that did
+  none of these ran warm (`cold` is False)."""
 
   def __init__(self):
     self.count, self.seconds, self.traces = 0, 0.0, 0
     self.loaded, self.load_seconds = 0, 0.0
+    self.traced: list[str | None] = []  # the traced functions' names
     self._hit = False
 
-  def _record(self, event: str, seconds: float, **_) -> None:
+  def _record(self, event: str, seconds: float, fun_name: str | None = None, **_) -> None:
     # JAX times a program's compile-or-read as one event; a cache hit is announced
     # inside it, before it ends.
     if event.endswith("backend_compile_duration"):
@@ -83,9 +91,18 @@ class CompileTime:
       self._hit = False
     elif event.endswith("jaxpr_trace_duration"):
       self.traces += 1
+      self.traced.append(fun_name)
+    elif event == LOAD_EVENT:  # a kept executable, loaded without tracing
+      self.loaded, self.load_seconds = self.loaded + 1, self.load_seconds + seconds
+
+  @property
+  def cold(self) -> bool:
+    """Whether a program was traced, compiled or loaded in the block: its time is not
+    that of a warm run."""
+    return bool(self.traces or self.count or self.loaded)
 
   def _event(self, event: str, **_) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
+    if event == CACHE_HIT_EVENT:
       self._hit = True
 
   def __enter__(self):
@@ -105,3 +122,143 @@ class CompileTime:
     return {f"{prefix}compile_s": round(self.seconds, 3),
             f"{prefix}programs_compiled": self.count,
             f"{prefix}programs_loaded": self.loaded}
+
+
+# A second process that reads a loop from JAX's cache still traces and lowers it first
+# (SmolLM2's AR loop on a 2-core CPU: 4.4 s of tracing, 0.6 s of lowering, then 1.9 s to
+# read it back), so the loops keep their compiled executables too, under a key of what
+# the program is made of, and a later process loads one without tracing.
+EXECUTABLES = "executables"
+LOAD_EVENT = "/jakiro_jax/executable_load_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_LOADED: dict[str, object] = {}  # key -> the loaded executable, for this process
+
+
+@functools.cache
+def source_digest() -> str:
+  """sha256 of the package's Python and C++ sources: an executable kept by one version
+  of the code is never loaded by another."""
+  root = pathlib.Path(__file__).resolve().parent
+  digest = hashlib.sha256()
+  for path in sorted(root.rglob("*")):
+    if path.suffix in (".py", ".cc") and path.is_file():
+      digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+  return digest.hexdigest()
+
+
+def _environment() -> tuple:
+  """What besides the program and its inputs decides the executable: versions, the
+  device, XLA's flags, JAX's settings (cache and logging ones aside) and the CPU
+  kernel's build."""
+  import jax
+  import jaxlib
+
+  from jakiro_jax.kernels import small_rows
+  device = jax.devices()[0]
+  kernel = (device.platform == "cpu" and small_rows.available()  # registers it: before a load
+            and small_rows.build_digest())
+  settings = sorted((k, repr(v)) for k, v in jax.config.values.items()
+                    if "cache" not in k and "log" not in k)
+  return (jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
+          jax.device_count(), jax.process_count(), os.environ.get("XLA_FLAGS", ""),
+          source_digest(), kernel, settings)
+
+
+def _arg_signature(leaf) -> tuple:
+  import jax
+  if not isinstance(leaf, jax.Array):
+    return ("python", type(leaf).__name__, repr(leaf))
+  return (leaf.shape, str(leaf.dtype), leaf.weak_type, repr(leaf.sharding))
+
+
+def executable_key(name: str, static: dict, args: tuple) -> str | None:
+  """sha256 naming the program `name` with `static` arguments over `args`, or None when
+  a static argument has no stable text (an object shown by its address)."""
+  import jax
+  statics = repr(sorted(static.items()))
+  if " at 0x" in statics:
+    return None
+  leaves, tree = jax.tree.flatten(args)
+  text = repr((name, statics, str(tree), [_arg_signature(x) for x in leaves],
+               _environment()))
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def executables_dir() -> str | None:
+  """`<JAX's compilation cache>/executables`, or None while that cache is off."""
+  import jax
+  root = jax.config.jax_compilation_cache_dir
+  return os.path.join(root, EXECUTABLES) if root else None
+
+
+def kept_call(jitted, name: str, static: dict, *args):
+  """`jitted(*args, **static)`, where the executable is kept across processes: loaded
+  from `executables_dir()` when a process before compiled it (no tracing), else traced,
+  compiled (JAX's cache first) and, compiled afresh, written there. Off with JAX's cache,
+  and for a static argument without a stable key."""
+  import jax
+  from jax.experimental import serialize_executable
+
+  directory = executables_dir()
+  key = executable_key(name, static, args) if directory else None
+  if key is None:
+    return jitted(*args, **static)
+  executable = _LOADED.get(key)
+  if executable is None:
+    path = os.path.join(directory, f"{name}-{key}.pkl")
+    executable = _read_executable(path)
+    if executable is None:
+      hits = []
+
+      def on_event(event: str, **_) -> None:
+        hits.append(event == CACHE_HIT_EVENT)
+      jax.monitoring.register_event_listener(on_event)
+      try:
+        executable = jitted.trace(*args, **static).lower().compile()
+      finally:
+        jax.monitoring.unregister_event_listener(on_event)
+      # Only a fresh compile is kept: a CPU executable read back from JAX's cache
+      # serializes without some of its functions ("broadcast_multiply_fusion not
+      # found" when run), so that program stays with JAX's cache.
+      if not any(hits):
+        _write_executable(path, serialize_executable.serialize(executable))
+    _LOADED[key] = executable
+  return executable(*args)
+
+
+def _read_executable(path: str):
+  """The executable kept at `path`, or None (not there, or unreadable: removed, with a
+  warning, and compiled again)."""
+  import jax
+  from jax.experimental import serialize_executable
+
+  if not os.path.exists(path):
+    return None
+  start = time.perf_counter()
+  try:
+    with open(path, "rb") as f:
+      payload, in_tree, out_tree = pickle.load(f)
+    executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+  except Exception as e:  # noqa: BLE001 - a cache entry must never stop a run
+    logging.getLogger(__name__).warning("kept executable %s unreadable (%s: %s): "
+                                        "compiling again", path, type(e).__name__, e)
+    try:
+      os.remove(path)
+    except OSError:
+      pass
+    return None
+  jax.monitoring.record_event_duration_secs(LOAD_EVENT, time.perf_counter() - start)
+  return executable
+
+
+def _write_executable(path: str, serialized) -> None:
+  """Writes under a temporary name, then renames: a reader never sees half a file. A
+  failure (a full or read-only disk) costs the next process a compile, nothing else."""
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+      pickle.dump(serialized, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+  except (OSError, pickle.PicklingError, TypeError) as e:
+    logging.getLogger(__name__).warning("executable not kept at %s: %s", path, e)

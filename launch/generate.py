@@ -219,33 +219,42 @@ def main(argv):
   accepts = []
   mismatches = 0  # greedy: prompts whose speculative tokens differ from the AR loop's
 
-  def warm(run):
-    """run() timed warm: once more if its first call traced (compiled or read from the
-    persistent cache) a program."""
+  def answer_then_warm(run, i, text):
+    """run()'s answer, printed as soon as it is known (the first one's time after the
+    target loaded too), then run() timed warm: once more if its first call traced,
+    compiled or loaded a program."""
     with CompileTime() as first:
       out = run()
-    return run() if first.traces or first.count else out
+    print(f"\n>>> {text}\n{show(out.tokens[0])}")
+    if i == 0:
+      print(f"[first answer {time.perf_counter() - loaded_at:.1f} s after the target "
+            f"loaded]", file=sys.stderr)
+    return run() if first.cold else out
+
+  def warm(run):
+    with CompileTime() as first:
+      out = run()
+    return run() if first.cold else out
 
   with CompileTime() as compiled:  # every compile of the run
     for i, (text, prompt) in enumerate(zip(texts, prompts)):
       seed = _SEED.value + i
-      ar = warm(lambda: generate_ar(target, [prompt], _MAX_NEW.value, sampling, seed=seed))
-      ar_tokens, ar_seconds = ar_tokens + ar.num_tokens, ar_seconds + ar.seconds
-      out = ar
-      if drafter is not None:
-        out = warm(lambda: generate(target, drafter, params, [prompt], _MAX_NEW.value,
-                                    sampling, seed=seed))
+      run_ar = lambda: generate_ar(target, [prompt], _MAX_NEW.value, sampling, seed=seed)  # noqa: E731
+      if drafter is None:
+        out = ar = answer_then_warm(run_ar, i, text)
+      else:  # the method's answer first; the AR loop's after it, for the speedup
+        out = answer_then_warm(lambda: generate(target, drafter, params, [prompt],
+                                                _MAX_NEW.value, sampling, seed=seed),
+                               i, text)
+        ar = warm(run_ar)
         spec_tokens, spec_seconds = spec_tokens + out.num_tokens, spec_seconds + out.seconds
         accepts += out.accept_lens[0]
         mismatches += sampling.greedy and out.tokens != ar.tokens
-      print(f"\n>>> {text}\n{show(out.tokens[0])}")
+      ar_tokens, ar_seconds = ar_tokens + ar.num_tokens, ar_seconds + ar.seconds
       line = f"[{out.num_tokens} tokens in {out.seconds:.2f} s: {out.tokens_per_s:.1f} tokens/s"
       if drafter is not None:
         line += f", tau {out.tau:.2f}; AR loop {ar.tokens_per_s:.1f} tokens/s"
       print(line + "]")
-      if i == 0:
-        print(f"[first answer {time.perf_counter() - loaded_at:.1f} s after the target "
-              f"loaded]", file=sys.stderr)
   print(f"compiled {compiled.count} programs in {compiled.seconds:.1f} s, read "
         f"{compiled.loaded} from the persistent cache ({compile_cache_note()})",
         file=sys.stderr)

@@ -160,7 +160,7 @@ CHILD = textwrap.dedent("""
       ar = jakiro_jax.generate_ar(target, [[5, 6, 7]], 6)
     print(json.dumps({"cache": jax.config.jax_compilation_cache_dir,
                       "compiled": compiled.count, "loaded": compiled.loaded,
-                      "tokens": [spec.tokens, ar.tokens]}))
+                      "traced": compiled.traced, "tokens": [spec.tokens, ar.tokens]}))
 """)
 
 
@@ -181,6 +181,21 @@ def test_a_second_process_compiles_nothing_it_compiled_before(tmp_path):
   second = _child(cache)
   assert second["compiled"] == 0 and second["loaded"] > 2
   assert second["tokens"] == first["tokens"]
+  # The loops' executables were kept: the second process loads them untraced.
+  loops = {"_speculative_loop", "_ar_loop"}
+  assert loops <= set(first["traced"]) and not loops & set(second["traced"])
+  kept = sorted(os.listdir(os.path.join(cache, "executables")))
+  assert [name.split("-")[0] for name in kept] == ["ar_loop", "speculative_loop"]
+  # A damaged one is removed and its loop read from JAX's cache, with the same tokens;
+  # an executable read from there is not kept (on a CPU it serializes incomplete).
+  damaged = os.path.join(cache, "executables", kept[0])
+  with open(damaged, "wb") as f:
+    f.write(b"not a pickle")
+  third = _child(cache)
+  assert "_ar_loop" in third["traced"] and "_speculative_loop" not in third["traced"]
+  assert third["tokens"] == first["tokens"] and third["compiled"] == 0
+  assert not os.path.exists(damaged)
+  assert _child(cache)["tokens"] == first["tokens"]
 
 
 def test_the_cache_follows_the_environment(monkeypatch):

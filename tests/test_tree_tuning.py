@@ -191,8 +191,12 @@ def test_main_job_follows_the_tuned_choice(tmp_path, chosen):
        "--draft=random", "--prompt_ids=5,6,7,8", "--max_new_tokens=6"],
       capture_output=True, text=True, cwd=REPO, env=env)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  last = proc.stdout.strip().splitlines()[-1]
+  lines = proc.stdout.strip().splitlines()
+  last = lines[-1]
   assert "device=cpu" in last
+  # The answer is printed when it is known, before the timings that follow it.
+  stats = next(i for i, line in enumerate(lines) if " tokens in " in line)
+  assert lines.index(">>> 5,6,7,8") < stats and "[first answer " in proc.stderr
   if chosen is None:
     assert last.startswith("method=ar ") and "speedup=1.00x" in last
     assert "no eagle2 tree beats the AR loop" in last

@@ -28,7 +28,7 @@ def per_prompt_runs(prompts, generate_fn, desc):
   for i, prompt in enumerate(tqdm(prompts, desc=desc, file=sys.stderr)):
     with CompileTime() as compiled:
       run = generate_fn(prompt, i)
-    if compiled.traces or compiled.count:
+    if compiled.cold:
       run = generate_fn(prompt, i)
     runs.append(run)
   return runs

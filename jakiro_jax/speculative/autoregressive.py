@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jakiro_jax.compile_cache import kept_call
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache, causal_mask
 from jakiro_jax.models.llama import Llama, check_feature_layers, new_cache
@@ -306,7 +307,8 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
   inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
             jnp.asarray(batch.budgets), jax.random.PRNGKey(seed))
   if mesh is None:
-    run, params = functools.partial(ar_generate_jit, **static), target.params
+    run = functools.partial(kept_call, ar_generate_jit, "ar_loop", static)
+    params = target.params
     cache = new_cache(target.config, size, batch.max_len)
   else:
     cache, cache_shardings = sharding.sharded_zeros(

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jakiro_jax.compile_cache import kept_call
 from jakiro_jax.speculative.drafter import RoundInputs, TargetHead, feature_layers_of
 from jakiro_jax.models.kv_cache import KVCache, causal_mask, tree_mask
 from jakiro_jax.models.config import LlamaConfig
@@ -323,7 +324,7 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
   make_target_cache = lambda: new_cache(target.config, size, batch.max_len)  # noqa: E731
   make_draft_cache = lambda: drafter.new_cache(size, batch.max_len)  # noqa: E731
   if mesh is None:
-    run = functools.partial(speculative_generate_jit, **static)
+    run = functools.partial(kept_call, speculative_generate_jit, "speculative_loop", static)
     weights = (target.params, draft_params)
     caches = (make_target_cache(), make_draft_cache())
   else:
