@@ -173,10 +173,11 @@ def _arg_signature(leaf) -> tuple:
 
 def executable_key(name: str, static: dict, args: tuple) -> str | None:
   """sha256 naming the program `name` with `static` arguments over `args`, or None when
-  a static argument has no stable text (an object shown by its address)."""
+  a static argument has no stable, whole text (an object shown by its address, an array
+  shown elided)."""
   import jax
   statics = repr(sorted(static.items()))
-  if " at 0x" in statics:
+  if " at 0x" in statics or "..." in statics:
     return None
   leaves, tree = jax.tree.flatten(args)
   text = repr((name, statics, str(tree), [_arg_signature(x) for x in leaves],

@@ -130,7 +130,8 @@ def main(argv):
   table = summary_table([r for r in load_results(_OUT.value) if "category" in r])
   compile_line = (f"This run: {wall:.0f} s after the target and drafts loaded, "
                   f"{compiled.seconds:.0f} s of it compiling {compiled.count} programs "
-                  f"({compiled.seconds / wall:.0%}).\n" if wall > 0 else "")
+                  f"({compiled.seconds / wall:.0%}); {compiled.loaded} read back from the "
+                  f"cache in {compiled.load_seconds:.0f} s.\n" if wall > 0 else "")
   with open(os.path.join(_OUT.value, "summary.md"), "w") as f:
     f.write(table + "\n" + compile_line)
   print(table)

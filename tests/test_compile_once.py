@@ -236,3 +236,20 @@ def test_round_parts_are_timed_on_the_cache_in_place(tiny, monkeypatch):
   with CompileTime() as compiled:
     round_timing.round_split(target, drafter, params, 300)
   assert compiled.count == 0
+
+
+def test_a_kept_executable_is_named_by_all_that_makes_it(monkeypatch):
+  from jakiro_jax import compile_cache
+
+  def key(name="loop", static=None, shape=(2, 3)):
+    return compile_cache.executable_key(name, {"a": 1} if static is None else static,
+                                        (jax.numpy.zeros(shape, jax.numpy.float32),))
+  first = key()
+  assert first == key()  # the inputs' values are not part of it
+  assert len({first, key(name="other"), key(static={"a": 2}), key(shape=(2, 4))}) == 4
+  # A static argument without a whole, stable text is never keyed.
+  assert key(static={"fn": object()}) is None
+  assert key(static={"table": np.arange(5000)}) is None
+  # Another version of the package's sources names another executable.
+  monkeypatch.setattr(compile_cache, "source_digest", lambda: "another version")
+  assert key() != first
