@@ -195,7 +195,6 @@ def test_a_second_process_compiles_nothing_it_compiled_before(tmp_path):
   assert "_ar_loop" in third["traced"] and "_speculative_loop" not in third["traced"]
   assert third["tokens"] == first["tokens"] and third["compiled"] == 0
   assert not os.path.exists(damaged)
-  assert _child(cache)["tokens"] == first["tokens"]
 
 
 def test_the_cache_follows_the_environment(monkeypatch):
