@@ -131,7 +131,8 @@ class CompileTime:
 EXECUTABLES = "executables"
 LOAD_EVENT = "/jakiro_jax/executable_load_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-_LOADED: dict[str, object] = {}  # key -> the loaded executable, for this process
+_LOADED: dict[tuple, object] = {}  # a call's signature -> its executable, in this process
+_PLAIN_JIT = object()  # in `_LOADED`: a program without a stable key, left to `jax.jit`
 
 
 @functools.cache
@@ -196,34 +197,38 @@ def kept_call(jitted, name: str, static: dict, *args):
   """`jitted(*args, **static)`, where the executable is kept across processes: loaded
   from `executables_dir()` when a process before compiled it (no tracing), else traced,
   compiled (JAX's cache first) and, compiled afresh, written there. Off with JAX's cache,
-  and for a static argument without a stable key."""
+  and for a static argument without a stable key. In a process, a call finds its
+  executable by the static arguments' hash and the inputs' signature, as `jax.jit` does;
+  the key on disk (`executable_key`, a few ms: it prints the static arguments) is made
+  once per program."""
   import jax
   from jax.experimental import serialize_executable
 
   directory = executables_dir()
-  key = executable_key(name, static, args) if directory else None
-  if key is None:
+  if directory is None:
     return jitted(*args, **static)
-  executable = _LOADED.get(key)
+  leaves, tree = jax.tree.flatten(args)
+  local = (name, directory, tuple(sorted(static.items())), tree,
+           tuple(_arg_signature(x) for x in leaves))
+  executable = _LOADED.get(local)
   if executable is None:
-    path = os.path.join(directory, f"{name}-{key}.pkl")
-    executable = _read_executable(path)
-    if executable is None:
-      hits = []
-
-      def on_event(event: str, **_) -> None:
-        hits.append(event == CACHE_HIT_EVENT)
-      jax.monitoring.register_event_listener(on_event)
-      try:
-        executable = jitted.trace(*args, **static).lower().compile()
-      finally:
-        jax.monitoring.unregister_event_listener(on_event)
-      # Only a fresh compile is kept: a CPU executable read back from JAX's cache
-      # serializes without some of its functions ("broadcast_multiply_fusion not
-      # found" when run), so that program stays with JAX's cache.
-      if not any(hits):
-        _write_executable(path, serialize_executable.serialize(executable))
-    _LOADED[key] = executable
+    key = executable_key(name, static, args)
+    if key is None:
+      executable = _PLAIN_JIT
+    else:
+      path = os.path.join(directory, f"{name}-{key}.pkl")
+      executable = _read_executable(path)
+      if executable is None:
+        with CompileTime() as compiled:
+          executable = jitted.trace(*args, **static).lower().compile()
+        # Only a fresh compile is kept: a CPU executable read back from JAX's cache
+        # serializes without some of its functions ("broadcast_multiply_fusion not
+        # found" when run), so that program stays with JAX's cache.
+        if not compiled.loaded:
+          _write_executable(path, serialize_executable.serialize(executable))
+    _LOADED[local] = executable
+  if executable is _PLAIN_JIT:
+    return jitted(*args, **static)
   return executable(*args)
 
 

@@ -219,33 +219,32 @@ def main(argv):
   accepts = []
   mismatches = 0  # greedy: prompts whose speculative tokens differ from the AR loop's
 
-  def answer_then_warm(run, i, text):
-    """run()'s answer, printed as soon as it is known (the first one's time after the
-    target loaded too), then run() timed warm: once more if its first call traced,
-    compiled or loaded a program."""
+  def warm(run, then=None):
+    """run() timed warm: once more if its first call traced, compiled or loaded a
+    program; `then(out)` sees the first call's output as soon as it is known."""
     with CompileTime() as first:
       out = run()
-    print(f"\n>>> {text}\n{show(out.tokens[0])}")
-    if i == 0:
-      print(f"[first answer {time.perf_counter() - loaded_at:.1f} s after the target "
-            f"loaded]", file=sys.stderr)
+    if then is not None:
+      then(out)
     return run() if first.cold else out
 
-  def warm(run):
-    with CompileTime() as first:
-      out = run()
-    return run() if first.cold else out
+  def answer(i, text):
+    def show_answer(out):
+      print(f"\n>>> {text}\n{show(out.tokens[0])}")
+      if i == 0:
+        print(f"[first answer {time.perf_counter() - loaded_at:.1f} s after the target "
+              f"loaded]", file=sys.stderr)
+    return show_answer
 
   with CompileTime() as compiled:  # every compile of the run
     for i, (text, prompt) in enumerate(zip(texts, prompts)):
       seed = _SEED.value + i
       run_ar = lambda: generate_ar(target, [prompt], _MAX_NEW.value, sampling, seed=seed)  # noqa: E731
       if drafter is None:
-        out = ar = answer_then_warm(run_ar, i, text)
+        out = ar = warm(run_ar, answer(i, text))
       else:  # the method's answer first; the AR loop's after it, for the speedup
-        out = answer_then_warm(lambda: generate(target, drafter, params, [prompt],
-                                                _MAX_NEW.value, sampling, seed=seed),
-                               i, text)
+        out = warm(lambda: generate(target, drafter, params, [prompt], _MAX_NEW.value,
+                                    sampling, seed=seed), answer(i, text))
         ar = warm(run_ar)
         spec_tokens, spec_seconds = spec_tokens + out.num_tokens, spec_seconds + out.seconds
         accepts += out.accept_lens[0]

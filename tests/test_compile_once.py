@@ -218,11 +218,12 @@ def test_round_parts_are_timed_on_the_cache_in_place(tiny, monkeypatch):
   from jakiro_jax.speculative import round_timing
 
   target, drafter, params = tiny
-  given = []
+  given, lengths = [], {}
 
   def spy(part):
     def run(*args, **kwargs):
       cache = args[2]
+      lengths.setdefault(part.__name__, set()).add(int(cache.lengths[0]))
       out = part(*args, **kwargs)
       given.append(cache.k.is_deleted())
       return out
@@ -232,6 +233,8 @@ def test_round_parts_are_timed_on_the_cache_in_place(tiny, monkeypatch):
   split = round_timing.round_split(target, drafter, params, 40)
   assert split["draft_ms"] > 0 and split["verify_ms"] > 0
   assert len(given) > 10 and all(given)  # every call's cache was taken over, not copied
+  # Every call times the same round: the caches come back at the lengths they went in.
+  assert lengths == {"_draft_part": {40 - drafter.tree.max_path}, "_verify_part": {40}}
   with CompileTime() as compiled:
     round_timing.round_split(target, drafter, params, 300)
   assert compiled.count == 0

@@ -119,9 +119,9 @@ def _draft_part(draft_params, head, cache, lengths, *, target_config, drafter, s
   tokens = jnp.ones((1, width), jnp.int32)
   features = jnp.zeros((1, width, feature_width(drafter, target_config)),
                        target_config.dtype)
+  start = cache.lengths
   root_hidden, cache = draft_context(drafter, draft_params, head, tokens, features,
                                      jnp.array([width], jnp.int32), cache)
-  start = cache.lengths
   tree, cache = draft_tree(drafter, draft_params, head, root_hidden, tokens[:, 0],
                            cache.replace(lengths=lengths), sampling)
   return tree, cache.replace(lengths=start)  # the next call times the same round
