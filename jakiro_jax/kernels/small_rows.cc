@@ -186,6 +186,127 @@ ffi::Error SmallRowMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+
+// Attention of few query rows over a stacked KV cache, reading only the slots the mask
+// shows (up to the last one of each row) and each layer's K and V in place.
+//
+// q [B, T, K, G, H], caches [L, B, K, S, H] (layer `layer`), mask [B, T, S'] (S' <= S:
+// the first S' slots) -> out [B, T, K, G, H]; all fp32. The G x T query rows of a (batch
+// row, kv head) share one pass over its slots. A row's result is the same sequence of
+// fp32 operations whatever T, S, S' or the other rows (a score: 8 lanes of FMA over the
+// head dim, a fixed horizontal sum, the tail by FMA; the softmax's sum and the weighted
+// values in increasing slot order), so a verify's attention gives the decode step's bit
+// for bit. A row that sees no slot gets zeros.
+
+inline float Dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = HorizontalSum(acc);
+  for (; i < n; ++i) sum = std::fma(a[i], b[i], sum);
+  return sum;
+}
+
+inline void Axpy(float p, const float* v, float* out, int64_t n) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+  for (; i < n; ++i) out[i] = std::fma(p, v[i], out[i]);
+}
+
+struct AttentionShape {
+  int64_t batch, tokens, kv, groups, head, slots, seen;
+  float scale;
+};
+
+// The G x T rows of batch row b, kv head h.
+void AttendHead(const AttentionShape& d, const float* q, const float* keys, const float* values,
+                const bool* mask, float* out, int64_t b, int64_t h, float* scores) {
+  const int64_t H = d.head;
+  const float* k_head = keys + (b * d.kv + h) * d.slots * H;
+  const float* v_head = values + (b * d.kv + h) * d.slots * H;
+  for (int64_t t = 0; t < d.tokens; ++t) {
+    const bool* m = mask + (b * d.tokens + t) * d.seen;
+    int64_t filled = d.seen;
+    while (filled > 0 && !m[filled - 1]) --filled;
+    for (int64_t g = 0; g < d.groups; ++g) {
+      const int64_t row = ((b * d.tokens + t) * d.kv + h) * d.groups + g;
+      const float* qr = q + row * H;
+      float* o = out + row * H;
+      std::fill(o, o + H, 0.0f);
+      if (filled == 0) continue;
+      float top = -INFINITY;
+      for (int64_t s = 0; s < filled; ++s) {
+        if (!m[s]) continue;
+        scores[s] = Dot(qr, k_head + s * H, H) * d.scale;
+        top = std::max(top, scores[s]);
+      }
+      float total = 0.0f;
+      for (int64_t s = 0; s < filled; ++s) {
+        if (!m[s]) continue;
+        scores[s] = std::exp(scores[s] - top);
+        total += scores[s];
+      }
+      for (int64_t s = 0; s < filled; ++s)
+        if (m[s]) Axpy(scores[s] / total, v_head + s * H, o, H);
+    }
+  }
+}
+
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                              ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
+                              int64_t layer) {
+  auto qd = q.dimensions();
+  auto kd = k_cache.dimensions();
+  auto md = mask.dimensions();
+  auto vd = v_cache.dimensions();
+  bool same = vd.size() == kd.size();
+  for (size_t i = 0; same && i < kd.size(); ++i) same = vd[i] == kd[i];
+  if (qd.size() != 5 || kd.size() != 5 || md.size() != 3 || !same ||
+      kd[1] != qd[0] || kd[2] != qd[2] || kd[4] != qd[4] || md[0] != qd[0] ||
+      md[1] != qd[1] || md[2] > kd[3] || layer < 0 || layer >= kd[0])
+    return ffi::Error::InvalidArgument(
+        "cache_attention: want q [B, T, K, G, H], caches [L, B, K, S, H], mask [B, T, S' <= S]");
+  AttentionShape d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[3], md[2],
+                   1.0f / std::sqrt(static_cast<float>(qd[4]))};
+  const int64_t layer_size = d.batch * d.kv * d.slots * d.head;
+  const float* keys = k_cache.typed_data() + layer * layer_size;
+  const float* values = v_cache.typed_data() + layer * layer_size;
+  const float* qp = q.typed_data();
+  const bool* mp = mask.typed_data();
+  float* op = out->typed_data();
+  const int64_t units = d.batch * d.kv;
+  // Past about a million multiply-adds a (batch row, kv head) pair is a task of its own.
+  const int64_t work = units * d.tokens * d.groups * d.seen * d.head;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (units == 1 || threads == 1 || work < (int64_t{1} << 20)) {
+    std::unique_ptr<float[]> scores(new float[std::max<int64_t>(d.seen, 1)]);
+    for (int64_t u = 0; u < units; ++u)
+      AttendHead(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, scores.get());
+    return ffi::Error::Success();
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto task = [=] {
+    std::unique_ptr<float[]> scores(new float[std::max<int64_t>(d.seen, 1)]);
+    for (int64_t u; (u = shared->next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      AttendHead(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, scores.get());
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < std::min(threads, units); ++t) pool.Schedule([task] { task(); });
+  task();
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < units; ++spins) {
+    if (spins < 4096) _mm_pause(); else std::this_thread::yield();
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallRowMatmul, SmallRowMatmulImpl,
@@ -194,3 +315,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallRowMatmul, SmallRowMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheAttention, CacheAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer"));

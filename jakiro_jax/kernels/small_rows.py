@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 TARGET_NAME = "jakiro_jax_small_row_matmul"
+ATTENTION_TARGET_NAME = "jakiro_jax_cache_attention"  # `cache_attention`, same library
 # Above this (long prefills) XLA's GEMM is faster: SmolLM2's 121 matrices, 2 cores, fp32,
 # kernel / XLA: 64 rows 158 / 207-211 ms, 128 rows 323-368 / 324-341, 256 rows 751-777 /
 # 642-653 (the forward's matrices alone, chained in one jit, medians of 15).
@@ -102,6 +103,8 @@ def available() -> bool:
     library = ctypes.cdll.LoadLibrary(path)
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.SmallRowMatmul),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET_NAME,
+                                jax.ffi.pycapsule(library.CacheAttention), platform="cpu")
   except subprocess.CalledProcessError as e:
     errors = [line for line in (e.stderr or "").splitlines() if "error" in line]
     log.warning("small-row CPU matmul off: building it failed (%s); XLA's dot is used",

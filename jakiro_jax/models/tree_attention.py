@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jakiro_jax.kernels import cache_attention as cpu_attention
+
 try:  # Pallas's Triton backend; where this JAX lacks it, XLA's attention runs everywhere
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
@@ -508,8 +510,8 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
   def fused_with(kernel):
     @jax.custom_vjp
     def fused(q, k_cache, v_cache, mask):
-      if kernel is not kernel_attention:  # before any shard_map: one cast for all layers
-        mask = mask.astype(jnp.int8)
+      if kernel not in (kernel_attention, cpu_attention.cache_attention):
+        mask = mask.astype(jnp.int8)  # before any shard_map: one cast for all layers
       if placed is None:
         return kernel(q, k_cache, v_cache, mask, layer)
       mesh, cache_spec = placed
@@ -527,9 +529,14 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
     fused.defvjp(forward, backward)
     return fused
 
-  # On CPUs the XLA expression reads the filled slots only (`filled_attention`); a
-  # SmolLM2 decode step read 1,024 slots 23% slower than 512, 512 9% slower than 256.
-  kernels = {"cpu": functools.partial(filled_attention, plain)}
+  # On CPUs a few query tokens take the kernel that reads each row's visible slots in
+  # place (`kernels.cache_attention`); wider calls (prefill chunks) the XLA expression
+  # over the filled slots only (`filled_attention`): a SmolLM2 decode step read 1,024
+  # slots 23% slower than 512, 512 9% slower than 256.
+  if placed is None and cpu_attention.applies(q, k_cache, mask):
+    kernels = {"cpu": fused_with(cpu_attention.cache_attention)}
+  else:
+    kernels = {"cpu": functools.partial(filled_attention, plain)}
   if applies(q, k_cache, mask):
     kernels["cuda"] = fused_with(kernel_attention)
   if tpu_applies(q, k_cache, mask):
