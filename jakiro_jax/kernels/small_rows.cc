@@ -220,39 +220,135 @@ struct AttentionShape {
   float scale;
 };
 
-// The G x T rows of batch row b, kv head h.
+// e^x for x <= 0, 8 lanes (Cephes' expf: 2^n times a degree-6 polynomial of the
+// remainder; within 2 ulp); under -87 it is 0.
+inline __m256 ExpNonPositive(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                             _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i power = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(power)));
+}
+
+// q . k for the 8 slots k[0..8) (rows of H floats, H a multiple of 8): 8 independent
+// accumulators over the head dim, then one fixed transposing sum.
+inline __m256 Dots8(const float* q, const float* k, int64_t H) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < H; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * H + i), a[j]);
+  }
+  __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// The G x T rows of batch row b, kv head h, in one pass over its keys and one over its
+// values. Slots go in groups of 8 from slot 0, each score computed by `Dots8` (a group
+// that would pass the cache's end is read from a zero-padded copy), each weighted value
+// added in slot order: a row's result is the same bits in every call.
 void AttendHead(const AttentionShape& d, const float* q, const float* keys, const float* values,
-                const bool* mask, float* out, int64_t b, int64_t h, float* scores) {
-  const int64_t H = d.head;
+                const bool* mask, float* out, int64_t b, int64_t h, float* scores,
+                float* visible, int64_t* filled, float* padded) {
+  const int64_t H = d.head, G = d.groups, T = d.tokens;
+  const int64_t width = (d.seen + 7) / 8 * 8;  // a row's stride in scores / visible
   const float* k_head = keys + (b * d.kv + h) * d.slots * H;
   const float* v_head = values + (b * d.kv + h) * d.slots * H;
-  for (int64_t t = 0; t < d.tokens; ++t) {
-    const bool* m = mask + (b * d.tokens + t) * d.seen;
-    int64_t filled = d.seen;
-    while (filled > 0 && !m[filled - 1]) --filled;
-    for (int64_t g = 0; g < d.groups; ++g) {
-      const int64_t row = ((b * d.tokens + t) * d.kv + h) * d.groups + g;
-      const float* qr = q + row * H;
-      float* o = out + row * H;
-      std::fill(o, o + H, 0.0f);
-      if (filled == 0) continue;
+  const bool vectors = H % 8 == 0;
+  int64_t longest = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const bool* m = mask + (b * T + t) * d.seen;
+    int64_t f = d.seen;
+    while (f > 0 && !m[f - 1]) --f;
+    filled[t] = f;
+    longest = std::max(longest, f);
+    float* vis = visible + t * width;
+    for (int64_t s = 0; s < (f + 7) / 8 * 8; ++s) vis[s] = s < f && m[s] ? 1.0f : 0.0f;
+  }
+  auto out_row = [&](int64_t t, int64_t g) { return out + (((b * T + t) * d.kv + h) * G + g) * H; };
+  const __m256 scale = _mm256_set1_ps(d.scale);
+  for (int64_t s0 = 0; s0 < longest; s0 += 8) {
+    const float* k = k_head + s0 * H;
+    if (vectors && s0 + 8 > d.slots) {
+      std::fill(padded, padded + 8 * H, 0.0f);
+      std::copy(k, k + (d.slots - s0) * H, padded);
+      k = padded;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      if (s0 >= filled[t]) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qr = q + (((b * T + t) * d.kv + h) * G + g) * H;
+        float* sc = scores + (t * G + g) * width + s0;
+        if (vectors) {
+          _mm256_storeu_ps(sc, _mm256_mul_ps(Dots8(qr, k, H), scale));
+        } else {
+          for (int64_t j = 0; j < 8; ++j)
+            sc[j] = s0 + j < filled[t] ? Dot(qr, k_head + (s0 + j) * H, H) * d.scale : 0.0f;
+        }
+      }
+    }
+  }
+  // Weights: e^(score - top) where visible, else exactly 0, summed by slot mod 8, divided.
+  for (int64_t t = 0; t < T; ++t) {
+    const float* vis = visible + t * width;
+    const int64_t groups = (filled[t] + 7) / 8;
+    for (int64_t g = 0; g < G; ++g) {
+      float* sc = scores + (t * G + g) * width;
+      std::fill(out_row(t, g), out_row(t, g) + H, 0.0f);
       float top = -INFINITY;
-      for (int64_t s = 0; s < filled; ++s) {
-        if (!m[s]) continue;
-        scores[s] = Dot(qr, k_head + s * H, H) * d.scale;
-        top = std::max(top, scores[s]);
+      for (int64_t s = 0; s < filled[t]; ++s)
+        if (vis[s] != 0.0f) top = std::max(top, sc[s]);
+      __m256 sum = _mm256_setzero_ps();
+      const __m256 top_v = _mm256_set1_ps(top);
+      for (int64_t c = 0; c < groups; ++c) {
+        const __m256 seen_here = _mm256_cmp_ps(_mm256_loadu_ps(vis + c * 8),
+                                               _mm256_setzero_ps(), _CMP_NEQ_OQ);
+        const __m256 x = _mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + c * 8), top_v),
+                                       _mm256_setzero_ps());
+        const __m256 e = _mm256_and_ps(seen_here, ExpNonPositive(x));
+        _mm256_storeu_ps(sc + c * 8, e);
+        sum = _mm256_add_ps(sum, e);
       }
-      float total = 0.0f;
-      for (int64_t s = 0; s < filled; ++s) {
-        if (!m[s]) continue;
-        scores[s] = std::exp(scores[s] - top);
-        total += scores[s];
-      }
-      for (int64_t s = 0; s < filled; ++s)
-        if (m[s]) Axpy(scores[s] / total, v_head + s * H, o, H);
+      const __m256 total = _mm256_set1_ps(HorizontalSum(sum));
+      for (int64_t c = 0; c < groups; ++c)
+        _mm256_storeu_ps(sc + c * 8, _mm256_div_ps(_mm256_loadu_ps(sc + c * 8), total));
+    }
+  }
+  // out += weight x value, slot by slot in order; each value row read once for all rows.
+  for (int64_t s = 0; s < longest; ++s) {
+    const float* v = v_head + s * H;
+    for (int64_t t = 0; t < T; ++t) {
+      if (s >= filled[t] || visible[t * width + s] == 0.0f) continue;
+      for (int64_t g = 0; g < G; ++g)
+        Axpy(scores[(t * G + g) * width + s], v, out_row(t, g), H);
     }
   }
 }
+
+// Per-thread buffers: a row's scores and visibility (whole groups of 8 slots) and one
+// zero-padded group of keys.
+struct Scratch {
+  explicit Scratch(const AttentionShape& d)
+      : scores(new float[d.tokens * d.groups * ((d.seen + 7) / 8 * 8) + 8]),
+        visible(new float[d.tokens * ((d.seen + 7) / 8 * 8) + 8]),
+        filled(new int64_t[d.tokens]),
+        padded(new float[8 * d.head]) {}
+  std::unique_ptr<float[]> scores, visible;
+  std::unique_ptr<int64_t[]> filled;
+  std::unique_ptr<float[]> padded;
+};
 
 ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
@@ -278,13 +374,14 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
   const int64_t units = d.batch * d.kv;
-  // Past about a million multiply-adds a (batch row, kv head) pair is a task of its own.
+  // Past about 10^5 multiply-adds a (batch row, kv head) pair is a task of its own.
   const int64_t work = units * d.tokens * d.groups * d.seen * d.head;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  if (units == 1 || threads == 1 || work < (int64_t{1} << 20)) {
-    std::unique_ptr<float[]> scores(new float[std::max<int64_t>(d.seen, 1)]);
+  if (units == 1 || threads == 1 || work < (int64_t{1} << 17)) {
+    Scratch scratch(d);
     for (int64_t u = 0; u < units; ++u)
-      AttendHead(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, scores.get());
+      AttendHead(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, scratch.scores.get(),
+                 scratch.visible.get(), scratch.filled.get(), scratch.padded.get());
     return ffi::Error::Success();
   }
   struct Shared {
@@ -293,9 +390,10 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   };
   auto shared = std::make_shared<Shared>();
   auto task = [=] {
-    std::unique_ptr<float[]> scores(new float[std::max<int64_t>(d.seen, 1)]);
+    Scratch scratch(d);
     for (int64_t u; (u = shared->next.fetch_add(1, std::memory_order_relaxed)) < units;) {
-      AttendHead(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, scores.get());
+      AttendHead(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, scratch.scores.get(),
+                 scratch.visible.get(), scratch.filled.get(), scratch.padded.get());
       shared->done.fetch_add(1, std::memory_order_release);
     }
   };

@@ -24,7 +24,8 @@ PROMPT_BUCKET = 64  # long prompts pad to a multiple of this, so lengths share c
 MIN_PROMPT_BUCKET = 8  # short prompts pad to a power of two from here up to PROMPT_BUCKET
 # The ladder of cache sizes: powers of two from here. A request's cache is the first rung
 # that holds its longest row's prompt, budget and last round's scratch slots. A CPU's
-# attention reads the filled slots only (`tree_attention.filled_attention`), so its first
+# attention reads the filled slots only (`kernels.cache_attention` for decode steps and
+# verifies, `tree_attention.filled_attention` for prefill chunks), so its first
 # rung is 1,024 slots at no cost to a step: one program serves a 420-token prompt and 128
 # new tokens as it serves a 12-token one (SmolLM2 on a 2-core CPU at a 100-token
 # context, alternated, medians of 8: decode 35.1 / 34.6 ms at 1,024 / 512 slots, a 4-node
