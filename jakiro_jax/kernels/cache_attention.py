@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from jakiro_jax.kernels import small_rows
 
 # Query tokens per call up to which the kernel runs (decode steps, small trees' verifies,
-# draft tree levels); wider calls keep XLA's batched dots. SmolLM2's 30 layers at 800
-# visible slots of 1,024, 2 cores: 1 token 4.0 ms here / 11.8 ms XLA's 1,024-slot view, 5
-# tokens 10.6 / 13.7 (one thread), 16 tokens 33.4 / 23.9.
+# draft tree levels); wider calls keep XLA's batched dots. SmolLM2's 30 layers over a
+# 1,024-slot cache, 2 cores, kernel / XLA's views (`python -m
+# benchmarks.cache_attention_bench`): 1 token at 100 visible slots 0.79 / 3.38 ms, at 800
+# 4.75 / 12.29; 5 tokens 1.59 / 2.96 and 10.88 / 13.73; 8 tokens at 800 16.07 / 14.85.
 MAX_TOKENS = 8
 
 

@@ -144,6 +144,37 @@ void Range(const float* x, int64_t rows, int64_t k_total, const float* w, float*
   for (; n < n_end; ++n) Columns<1>(x, rows, k_total, w + n * k_total, y + n, n_total, nullptr);
 }
 
+// Calls work(i) for i in [0, count) on up to `tasks` threads: the caller and pool tasks
+// claim indices from a shared counter; a task that finds none left returns at once, so
+// the caller only ever waits for work being done (never for a task queued behind
+// another call's, which could deadlock when XLA runs calls concurrently). `make_work()`
+// gives each thread its own callable (and so its own buffers).
+template <typename MakeWork>
+void ParallelFor(ffi::ThreadPool& pool, int64_t count, int64_t tasks, MakeWork make_work) {
+  if (tasks <= 1 || count <= 1) {
+    auto work = make_work();
+    for (int64_t i = 0; i < count; ++i) work(i);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto task = [=] {
+    auto work = make_work();
+    for (int64_t i; (i = shared->next.fetch_add(1, std::memory_order_relaxed)) < count;) {
+      work(i);
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < std::min(tasks, count); ++t) pool.Schedule([task] { task(); });
+  task();
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < count; ++spins) {
+    if (spins < 4096) _mm_pause(); else std::this_thread::yield();
+  }
+}
+
 ffi::Error SmallRowMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -154,35 +185,17 @@ ffi::Error SmallRowMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  // Chunks of whole 8-output blocks, about 128 KiB of weights or more each. The caller
-  // and pool tasks claim chunks from a shared counter; a task that finds none left returns
-  // at once, so the caller only ever waits for chunks being computed (never for a task
-  // queued behind another call's, which could deadlock when XLA runs calls concurrently).
+  // Chunks of whole 8-output blocks, about 128 KiB of weights or more each.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t min_cols = std::max<int64_t>(8, (32768 / std::max<int64_t>(k_total, 1)) & ~7);
   const int64_t chunks = std::min<int64_t>(8 * threads, std::max<int64_t>(1, n_total / min_cols));
-  if (chunks <= 1) {
-    Range(xp, rows, k_total, wp, yp, n_total, 0, n_total);
-    return ffi::Error::Success();
-  }
   const int64_t per = ((n_total + chunks - 1) / chunks + 7) & ~int64_t{7};
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [=] {
-    for (int64_t c; (c = shared->next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+  ParallelFor(pool, chunks, threads, [=] {
+    return [=](int64_t c) {
       const int64_t begin = std::min(n_total, c * per), end = std::min(n_total, (c + 1) * per);
       if (begin < end) Range(xp, rows, k_total, wp, yp, n_total, begin, end);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([work] { work(); });
-  work();
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < chunks; ++spins) {
-    if (spins < 4096) _mm_pause(); else std::this_thread::yield();
-  }
+    };
+  });
   return ffi::Error::Success();
 }
 
@@ -377,31 +390,12 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   // Past about 10^5 multiply-adds a (batch row, kv head) pair is a task of its own.
   const int64_t work = units * d.tokens * d.groups * d.seen * d.head;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  if (units == 1 || threads == 1 || work < (int64_t{1} << 17)) {
-    Scratch scratch(d);
-    for (int64_t u = 0; u < units; ++u)
-      AttendHead(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, scratch.scores.get(),
-                 scratch.visible.get(), scratch.filled.get(), scratch.padded.get());
-    return ffi::Error::Success();
-  }
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto task = [=] {
-    Scratch scratch(d);
-    for (int64_t u; (u = shared->next.fetch_add(1, std::memory_order_relaxed)) < units;) {
-      AttendHead(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, scratch.scores.get(),
-                 scratch.visible.get(), scratch.filled.get(), scratch.padded.get());
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < std::min(threads, units); ++t) pool.Schedule([task] { task(); });
-  task();
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < units; ++spins) {
-    if (spins < 4096) _mm_pause(); else std::this_thread::yield();
-  }
+  ParallelFor(pool, units, work < (int64_t{1} << 17) ? 1 : threads, [=] {
+    return [=, scratch = std::make_shared<Scratch>(d)](int64_t u) {
+      AttendHead(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, scratch->scores.get(),
+                 scratch->visible.get(), scratch->filled.get(), scratch->padded.get());
+    };
+  });
   return ffi::Error::Success();
 }
 
