@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -89,24 +90,27 @@ def test_prompt_lengths_and_budgets_share_one_program_per_loop(tiny):
   assert compiled.count >= 1  # batch 2 is another program
 
 
-def test_chunked_prefill_equals_the_whole_prompt_prefill(tiny):
+@pytest.mark.parametrize("chunks", [(64,), (128, 64)])
+def test_chunked_prefill_equals_the_whole_prompt_prefill(tiny, chunks):
   """Logits and every prompt position's features of the chunked prefill are those of the
-  one-shot prefill (to float rounding), for rows ending in different chunks."""
+  one-shot prefill (to float rounding), for rows ending in different chunks, with one
+  chunk width or a wide one before the narrow; the draft's hook sees the narrow chunks in
+  order, once each, whatever width computed them."""
   from jakiro_jax.models.llama import Llama, new_cache
   from jakiro_jax.speculative.autoregressive import chunked_prefill, prefill
 
   target, _, _ = tiny
   rng = np.random.RandomState(1)
-  lengths = np.array([5, 64, 130], np.int32)
-  prompt = np.zeros((3, 192), np.int32)
+  lengths = np.array([5, 64, 130, 200], np.int32)
+  prompt = np.zeros((4, 256), np.int32)
   for i, n in enumerate(lengths):
     prompt[i, :n] = rng.randint(0, 97, n)
   model = Llama(TINY, (0, -1))
   whole_logits, whole_features, whole_cache = prefill(
-      model, target.params, prompt, lengths, new_cache(TINY, 3, 256))
+      model, target.params, prompt, lengths, new_cache(TINY, 4, 256))
   logits, last, cache, kept = jax.jit(
-      lambda p, t, n, c: chunked_prefill(model, p, t, n, c, 64, keep_features=True))(
-          target.params, prompt, lengths, new_cache(TINY, 3, 256))
+      lambda p, t, n, c: chunked_prefill(model, p, t, n, c, chunks, keep_features=True))(
+          target.params, prompt, lengths, new_cache(TINY, 4, 256))
   np.testing.assert_allclose(logits, whole_logits, rtol=1e-5, atol=1e-5)
   for i, n in enumerate(lengths):
     np.testing.assert_allclose(kept[i, :n], whole_features[i, :n], rtol=1e-5, atol=1e-5)
@@ -114,9 +118,19 @@ def test_chunked_prefill_equals_the_whole_prompt_prefill(tiny):
     np.testing.assert_allclose(cache.k[:, i, :, :n], whole_cache.k[:, i, :, :n],
                                rtol=1e-5, atol=1e-5)
   assert list(cache.lengths) == list(lengths)
+
+  def record(start, features, starts):  # each narrow chunk's first slot, in order
+    assert features.shape == (4, 64, kept.shape[-1])
+    return jnp.concatenate([starts[1:], start[None]])
+  starts = jax.jit(lambda p, t, n, c: chunked_prefill(
+      model, p, t, n, c, chunks, on_chunk=record, carry=jnp.full((4,), -1, jnp.int32))[3])(
+          target.params, prompt, lengths, new_cache(TINY, 4, 256))
+  assert list(starts) == [0, 64, 128, 192]  # 200 tokens: four narrow chunks
   with pytest.raises(ValueError, match="whole chunks of 64"):
-    chunked_prefill(model, target.params, prompt[:, :100], lengths, new_cache(TINY, 3, 256),
-                    64)
+    chunked_prefill(model, target.params, prompt[:, :100], lengths, new_cache(TINY, 4, 256),
+                    chunks)
+  with pytest.raises(ValueError, match="widest first"):
+    chunked_prefill(model, target.params, prompt, lengths, new_cache(TINY, 4, 256), (64, 96))
 
 
 def test_precompile_makes_the_first_request_warm(tiny, capsys):

@@ -20,7 +20,7 @@ from jakiro_jax.compile_cache import kept_call
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache, causal_mask
 from jakiro_jax.models.llama import Llama, check_feature_layers, new_cache
-from jakiro_jax.speculative.batching import output_columns, prefill_chunk, prepare_batch
+from jakiro_jax.speculative.batching import output_columns, prefill_chunks, prepare_batch
 from jakiro_jax.speculative.sampling import SamplingConfig, sample_token
 import jakiro_jax.sharding as sharding
 
@@ -66,58 +66,85 @@ def prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
 
 
 def chunked_prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
-                    cache: KVCache, chunk: int, on_chunk=None, carry=None,
+                    cache: KVCache, chunks: int | Sequence[int], on_chunk=None, carry=None,
                     keep_features: bool = False):
-  """Right-padded prompts `[B, W]` through the target `chunk` tokens at a time, in one
-  `lax.while_loop` over the chunks the longest row needs: one program serves every
-  prompt length up to W (a whole number of chunks, at most the cache's slots).
+  """Right-padded prompts `[B, W]` through the target in chunks, each chunk width one
+  `lax.fori_loop` over as many chunks as the longest row needs: one program serves every
+  prompt length up to W (a whole number of the narrowest chunks, at most the cache's
+  slots).
 
-  Chunk c writes slots c*chunk.. of every row (past a row's length: padding, never read:
-  the masks stop at `lengths`, and later tokens overwrite those slots before reading
-  them). `on_chunk(c, features [B, chunk, F], carry) -> carry` sees each chunk's
-  features (`Llama.feature_layers`). Returns `(logits [B, V] and features [B, F] at each
-  row's last prompt token, cache with lengths = prompt_lengths, carry)`; with
-  `keep_features` the carry is every prompt slot's features `[B, W, F]` instead.
+  `chunks`: the widths, widest first, each a whole number of the last (narrowest) one;
+  e.g. (256, 64): a 769-token prompt takes three chunks of 256 and one of 64. Each width
+  runs while what is left (in narrow chunks) fills one: every width computes the tokens
+  the narrow chunks would, and a wider chunk reads the weights once for more of them (on
+  a CPU, 13 chunks of 64 took 22% longer than one forward of 832 tokens).
+
+  A chunk starting at slot s writes slots s.. of every row (past a row's length:
+  padding, never read: the masks stop at `lengths`, and later tokens overwrite those
+  slots before reading them). `on_chunk(start, features [B, n, F], carry) -> carry` sees
+  the features (`Llama.feature_layers`) narrow chunk by narrow chunk (n the narrowest
+  width, `start` its first slot), whatever width computed them. Returns `(logits [B, V]
+  and features [B, F] at each row's last prompt token, cache with lengths =
+  prompt_lengths, carry)`; with `keep_features` the carry is every prompt slot's features
+  `[B, W, F]` instead.
   """
+  widths = (chunks,) if isinstance(chunks, int) else tuple(chunks)
+  narrow = widths[-1]
   batch, width = prompt.shape
-  if width % chunk or width > cache.max_len:
-    raise ValueError(f"a chunked prefill takes whole chunks of {chunk} tokens within the "
+  if any(w % narrow for w in widths) or list(widths) != sorted(widths, reverse=True):
+    raise ValueError(f"prefill chunk widths {widths}: widest first, each a whole number "
+                     f"of the last")
+  if width % narrow or width > cache.max_len:
+    raise ValueError(f"a chunked prefill takes whole chunks of {narrow} tokens within the "
                      f"cache's {cache.max_len} slots; the prompt is {width} wide")
+  widths = tuple(w for w in widths if w <= width) or (narrow,)  # a small cache's prompt
   rows = jnp.arange(batch)
   last = prompt_lengths - 1
-  offsets = jnp.arange(chunk, dtype=jnp.int32)
 
-  def run(c, state):
-    logits, last_features, cache, carry = state
-    start = c * chunk
-    tokens = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
-    at = jnp.clip(last - start, 0, chunk - 1)
-    cache = cache.replace(lengths=jnp.full((batch,), start, jnp.int32))
-    chunk_logits, features, cache = model.apply(
-        params, tokens, jnp.broadcast_to(start + offsets, tokens.shape), cache,
-        causal_mask(cache.lengths, chunk, cache.max_len), logits_at=at)
-    ends_here = (last >= start) & (last < start + chunk)
-    logits = jnp.where(ends_here[:, None], chunk_logits, logits)
-    last_features = jnp.where(ends_here[:, None], features[rows, at], last_features)
-    if on_chunk is not None:
-      carry = on_chunk(c, features, carry)
-    return logits, last_features, cache, carry
+  def chunk_at(chunk: int):
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+
+    def run(start, state):
+      logits, last_features, cache, carry = state
+      tokens = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
+      at = jnp.clip(last - start, 0, chunk - 1)
+      cache = cache.replace(lengths=jnp.full((batch,), start, jnp.int32))
+      chunk_logits, features, cache = model.apply(
+          params, tokens, jnp.broadcast_to(start + offsets, tokens.shape), cache,
+          causal_mask(cache.lengths, chunk, cache.max_len), logits_at=at)
+      ends_here = (last >= start) & (last < start + chunk)
+      logits = jnp.where(ends_here[:, None], chunk_logits, logits)
+      last_features = jnp.where(ends_here[:, None], features[rows, at], last_features)
+      if on_chunk is not None:
+        def feed(j, carry):
+          narrow_features = jax.lax.dynamic_slice_in_dim(features, j * narrow, narrow, 1)
+          return on_chunk(start + j * narrow, narrow_features, carry)
+        carry = jax.lax.fori_loop(0, chunk // narrow, feed, carry)
+      return logits, last_features, cache, carry
+    return run
 
   # The shapes of a chunk's logits and features (traced abstractly, nothing computed).
   logits_shape, features_shape, _ = jax.eval_shape(
-      lambda p, c: model.apply(p, prompt[:, :chunk], jnp.zeros((batch, chunk), jnp.int32),
-                               c, causal_mask(c.lengths, chunk, c.max_len),
+      lambda p, c: model.apply(p, prompt[:, :narrow], jnp.zeros((batch, narrow), jnp.int32),
+                               c, causal_mask(c.lengths, narrow, c.max_len),
                                logits_at=jnp.zeros((batch,), jnp.int32)), params, cache)
   width_features = features_shape.shape[-1]
-  zeros = (jnp.zeros(logits_shape.shape, logits_shape.dtype),
-           jnp.zeros((batch, width_features), features_shape.dtype))
+  state = (jnp.zeros(logits_shape.shape, logits_shape.dtype),
+           jnp.zeros((batch, width_features), features_shape.dtype), cache, carry)
   if keep_features:
-    carry = jnp.zeros((batch, width, width_features), features_shape.dtype)
-    on_chunk = lambda c, features, kept: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-        kept, features.astype(kept.dtype), c * chunk, axis=1)
-  num_chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
-  logits, last_features, cache, carry = jax.lax.fori_loop(
-      0, num_chunks, run, (*zeros, cache, carry))
+    state = (*state[:3], jnp.zeros((batch, width, width_features), features_shape.dtype))
+    on_chunk = lambda start, features, kept: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+        kept, features.astype(kept.dtype), start, axis=1)
+  left = (jnp.max(prompt_lengths) + narrow - 1) // narrow  # narrow chunks still to run
+  filled = jnp.int32(0)  # slots the wider chunks wrote
+  for chunk in widths:
+    count = left // (chunk // narrow)
+    state = jax.lax.fori_loop(
+        0, count, lambda i, s, run=chunk_at(chunk), first=filled, chunk=chunk:
+        run(first + i * chunk, s), state)
+    filled = filled + count * chunk
+    left = left - count * (chunk // narrow)
+  logits, last_features, cache, carry = state
   return logits, last_features, cache.replace(lengths=prompt_lengths), carry
 
 
@@ -144,7 +171,7 @@ def check_prefill_fn(prefill_fn, mesh=None):
 
 
 AR_STATIC_ARGS = ("config", "max_new_tokens", "sampling", "stop_ids", "pad_id",
-                  "prefill_fn", "feature_layers", "prefill_chunk")
+                  "prefill_fn", "feature_layers", "prefill_chunks")
 
 
 def _ar_loop(params, prompt: jax.Array, prompt_lengths: jax.Array,
@@ -152,25 +179,25 @@ def _ar_loop(params, prompt: jax.Array, prompt_lengths: jax.Array,
                     config: LlamaConfig, max_new_tokens: int, sampling: SamplingConfig,
                     stop_ids: tuple[int, ...], pad_id: int,
                     prefill_fn=None, feature_layers: tuple[int, ...] | None = None,
-                    prefill_chunk: int | None = None):
+                    prefill_chunks: tuple[int, ...] | None = None):
   """Generates up to `budgets[b] <= max_new_tokens` tokens per row.
 
   prompt `[B, P]` right-padded, prompt_lengths/budgets `[B]` int32. A row stops after a
   stop token (kept in the output) or its budget. `prefill_fn`: see `target_prefill`;
-  `prefill_chunk`: the dense prefill in chunks of that many tokens (`chunked_prefill`,
-  P a whole number of them), else over the whole prompt at once.
+  `prefill_chunks`: the dense prefill in chunks of these widths (`chunked_prefill`, P a
+  whole number of the narrowest), else over the whole prompt at once.
   Returns the final `ARState`; with `feature_layers` (`Llama.feature_layers`: () the final
   norm's output) `(state, prompt_features [B, P, W])`, and `state.features` holds the
   output tokens' (what a forward over prompt + output gives, without that second pass).
   """
   model = Llama(config, feature_layers or ())
   batch = prompt.shape[0]
-  if prefill_chunk is None or prefill_fn is not None:
+  if prefill_chunks is None or prefill_fn is not None:
     logits, prompt_features, cache = target_prefill(model, params, prompt, prompt_lengths,
                                                     cache, prefill_fn)
   else:
     logits, _, cache, prompt_features = chunked_prefill(
-        model, params, prompt, prompt_lengths, cache, prefill_chunk,
+        model, params, prompt, prompt_lengths, cache, prefill_chunks,
         keep_features=feature_layers is not None)
   first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
@@ -294,14 +321,14 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
     feature_layers = check_feature_layers(target.config, feature_layers)
   # A caller who fixed the prompt width has one program already (gen_data): its prefill
   # attends to the prompt's own slots, not the cache's (`llama.Attention`'s narrow mask).
-  chunk = None if prefill_fn is not None or prompt_width is not None else prefill_chunk()
+  chunks = None if prefill_fn is not None or prompt_width is not None else prefill_chunks()
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
-                        prompt_width=prompt_width, chunk=chunk)
+                        prompt_width=prompt_width, chunk=chunks and chunks[-1])
   size = len(batch.lengths)
   static = dict(config=target.config,
                 max_new_tokens=output_columns(batch, features=feature_layers is not None),
                 sampling=sampling, stop_ids=tuple(target.stop_ids), pad_id=0,
-                prefill_fn=prefill_fn, prefill_chunk=chunk)
+                prefill_fn=prefill_fn, prefill_chunks=chunks)
   if feature_layers is not None:
     static["feature_layers"] = feature_layers
   inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),

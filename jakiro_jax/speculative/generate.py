@@ -28,7 +28,7 @@ from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, new_cache
 from jakiro_jax.speculative.autoregressive import (check_prefill_fn, chunked_prefill,
                                                    is_stop_token, target_prefill)
-from jakiro_jax.speculative.batching import output_columns, prefill_chunk, prepare_batch
+from jakiro_jax.speculative.batching import output_columns, prefill_chunks, prepare_batch
 from jakiro_jax.speculative.sampling import SamplingConfig, sample_token
 from jakiro_jax.speculative.tree import Tree
 from jakiro_jax.speculative.verify import Acceptance, commit_path
@@ -171,7 +171,7 @@ def speculative_round(s: SpecState, target_params, draft_params, budgets: jax.Ar
 
 
 SPEC_STATIC_ARGS = ("target_config", "drafter", "max_new_tokens", "sampling", "stop_ids",
-                    "pad_id", "prefill_fn", "prefill_chunk")
+                    "pad_id", "prefill_fn", "prefill_chunks")
 
 
 def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budgets,
@@ -180,12 +180,12 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
                              sampling: SamplingConfig, stop_ids: tuple[int, ...],
                              pad_id: int,
                              prefill_fn=None,
-                             prefill_chunk: int | None = None) -> SpecState:
+                             prefill_chunks: tuple[int, ...] | None = None) -> SpecState:
   """prompt `[B, P]` right-padded; budgets `[B]` <= max_new_tokens. Returns the final state.
   `prefill_fn`: the target's prefill in place of the dense one (`target_prefill`); the
-  drafts then read the features it returns. `prefill_chunk`: the dense prefill in chunks
-  of that many tokens (`chunked_prefill`, P a whole number of them; the draft reads each
-  chunk's pairs as it comes), else over the whole prompt at once.
+  drafts then read the features it returns. `prefill_chunks`: the dense prefill in chunks
+  of these widths (`chunked_prefill`, P a whole number of the narrowest; the draft reads
+  the pairs a narrow chunk at a time as they come), else over the whole prompt at once.
 
   The target runs with `target_config` (the target's own), never the drafter's
   `target_config`: a drafter built for another config would otherwise change the target.
@@ -197,7 +197,7 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
 
   # Draft pair p is (feature_p, token_{p+1}); the last prompt pair takes the root.
   shifted = jnp.concatenate([prompt[:, 1:], jnp.zeros((batch, 1), prompt.dtype)], axis=1)
-  if prefill_chunk is None or prefill_fn is not None:
+  if prefill_chunks is None or prefill_fn is not None:
     logits, features, target_cache = target_prefill(model, target_params, prompt,
                                                     prompt_lengths, target_cache, prefill_fn)
     root = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
@@ -206,18 +206,19 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
         drafter, draft_params, head, shifted, features, prompt_lengths,
         draft_cache.replace(lengths=jnp.zeros((batch,), jnp.int32)))
   else:
-    def feed_draft(c, features, cache):
+    narrow = prefill_chunks[-1]
+
+    def feed_draft(start, features, cache):
       # The chunk's pairs before each row's last, whose token (the root) comes after.
-      start = c * prefill_chunk
-      count = jnp.clip(prompt_lengths - 1 - start, 0, prefill_chunk)
+      count = jnp.clip(prompt_lengths - 1 - start, 0, narrow)
       _, cache = draft_context(
           drafter, draft_params, head,
-          jax.lax.dynamic_slice_in_dim(shifted, start, prefill_chunk, axis=1), features,
+          jax.lax.dynamic_slice_in_dim(shifted, start, narrow, axis=1), features,
           count, cache.replace(lengths=jnp.full((batch,), start, jnp.int32)))
       return cache
 
     logits, last_features, target_cache, draft_cache = chunked_prefill(
-        model, target_params, prompt, prompt_lengths, target_cache, prefill_chunk,
+        model, target_params, prompt, prompt_lengths, target_cache, prefill_chunks,
         on_chunk=feed_draft, carry=draft_cache)
     root = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
     hidden_root, draft_cache = draft_context(
@@ -311,14 +312,15 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
                      f"{list(feature_layers_of(drafter))}")
   target_extra = drafter.tree.total_tokens
   draft_extra = drafter.extra_cache_slots()
-  chunk = None if prefill_fn is not None else prefill_chunk()
+  chunks = None if prefill_fn is not None else prefill_chunks()
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,
-                        extra_slots=max(target_extra, draft_extra), chunk=chunk)
+                        extra_slots=max(target_extra, draft_extra),
+                        chunk=chunks and chunks[-1])
   size = len(batch.lengths)
   static = dict(target_config=target.config, drafter=drafter,
                 max_new_tokens=output_columns(batch), sampling=sampling,
                 stop_ids=tuple(target.stop_ids), pad_id=0, prefill_fn=prefill_fn,
-                prefill_chunk=chunk)
+                prefill_chunks=chunks)
   inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
             jnp.asarray(batch.budgets), jax.random.PRNGKey(seed))
   make_target_cache = lambda: new_cache(target.config, size, batch.max_len)  # noqa: E731
