@@ -25,7 +25,8 @@ CONFIGS = {"bench": "configs/smollm2_135m.py", "campaign": None,
            "compile_bench": "configs/smollm2_135m.py",
            "compile_report": "configs/smollm2_135m.py",
            "device_report": None, "eval_suite": None, "gen_data": None, "generate": None,
-           "profile_step": None, "prune": None, "prune_generate_bench": None,
+           "profile_round": None, "profile_step": None, "prune": None,
+           "prune_generate_bench": None,
            "train": "configs/smollm2_135m_eagle2.py"}
 # Entry points with counts or sizes: their integer flags are found and each is tried below
 # its lower bound; here, their list flags of counts ({tmp}: a fresh directory).
@@ -33,6 +34,7 @@ COUNTS = {"bench": [], "campaign": [], "compile_bench": [["--method=eagle2", "--
           "compile_report": [["--out={tmp}", "--batches=2,0"]],
           "device_report": [["--out={tmp}", "--ar_grid=float32:0:128"]],
           "eval_suite": [], "gen_data": [], "generate": [], "import_draft": [],
+          "profile_round": [["--tree=2,0,5"]],
           "profile_step": [["--slots=128,0"], ["--tokens=-4"]], "prune": [],
           "prune_bench_prefill": [], "prune_generate_bench": [], "shard_memory": [],
           "train": []}

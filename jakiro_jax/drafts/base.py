@@ -250,9 +250,10 @@ class DraftHead:
     (token ids `ranked_ids`), or over the whole vocabulary `[..., V]` without one. The
     same values as `log_probs` on those tokens, without a `[..., V]` array to rank (on a
     TPU a top-k over it is a sort of the whole vocabulary at every level)."""
-    if not self.draft_vocab:
-      return self.log_probs(head, hidden)
-    return jax.nn.log_softmax(self._subset_logits(head, hidden), axis=-1)
+    with jax.named_scope("draft_head"):
+      if not self.draft_vocab:
+        return self.log_probs(head, hidden)
+      return jax.nn.log_softmax(self._subset_logits(head, hidden), axis=-1)
 
   def _subset_logits(self, head: TargetHead, hidden):
     """fp32 logits `[..., K]` of the draft vocabulary's tokens."""

@@ -97,7 +97,8 @@ def verify_tree(model: Llama, target_params, drafter, tree: Tree, cache: KVCache
   mask = tree_mask(cache.lengths, visible, cache.max_len)
   logits, features, cache = model.apply(
       target_params, tree.tokens, cache.lengths[:, None] + tree.depth, cache, mask)
-  result: Acceptance = drafter.accept(tree, plan, logits, sampling, rng)
+  with jax.named_scope("accept"):
+    result: Acceptance = drafter.accept(tree, plan, logits, sampling, rng)
   return result, features, cache
 
 
@@ -122,7 +123,16 @@ def speculative_round(s: SpecState, target_params, draft_params, budgets: jax.Ar
                       sampling: SamplingConfig, stop_ids: tuple[int, ...]) -> SpecState:
   """One round of the loop: draft a tree, verify it, commit the accepted path, feed the
   draft. budgets `[B]`; `rng` the loop's key (the round folds in its index); `head`
-  (`drafting_head`), built once by the loop, else here."""
+  (`drafting_head`), built once by the loop, else here. Its parts are named scopes
+  (`launch.profile_round` sums a profile's time by them)."""
+  with jax.named_scope("spec_round"):
+    return _round(s, target_params, draft_params, budgets, rng, head,
+                  target_config=target_config, drafter=drafter,
+                  max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
+
+
+def _round(s: SpecState, target_params, draft_params, budgets, rng, head, *, target_config,
+           drafter, max_new_tokens, sampling, stop_ids) -> SpecState:
   model = Llama(target_config, feature_layers_of(drafter))
   if head is None:
     head = drafting_head(target_config, target_params, drafter)
@@ -130,14 +140,17 @@ def speculative_round(s: SpecState, target_params, draft_params, budgets: jax.Ar
   rows = jnp.arange(batch)
   max_path = drafter.tree.max_path
   round_rng = jax.random.fold_in(rng, s.rounds + 1)
-  tree, draft_cache = draft_tree(drafter, draft_params, head, s.draft_hidden, s.root,
-                                 s.draft_cache, sampling,
-                                 jax.random.fold_in(round_rng, 1))  # sampled drafts
-  result, features, cache = verify_tree(model, target_params, drafter, tree,
-                                        s.target_cache, sampling, round_rng)
+  with jax.named_scope("draft_tree"):
+    tree, draft_cache = draft_tree(drafter, draft_params, head, s.draft_hidden, s.root,
+                                   s.draft_cache, sampling,
+                                   jax.random.fold_in(round_rng, 1))  # sampled drafts
+  with jax.named_scope("verify"):
+    result, features, cache = verify_tree(model, target_params, drafter, tree,
+                                          s.target_cache, sampling, round_rng)
   active = ~s.done
   advance = jnp.where(active, result.accept_len + 1, 0)
-  cache = commit_path(cache, result.path, advance, tree.tokens.shape[1])
+  with jax.named_scope("commit"):
+    cache = commit_path(cache, result.path, advance, tree.tokens.shape[1])
 
   # New tokens: the accepted drafted ones, then the bonus; they also pair with the
   # path's target features as the draft's next context.
@@ -145,8 +158,9 @@ def speculative_round(s: SpecState, target_params, draft_params, budgets: jax.Ar
   new_tokens = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)], 1)
   new_tokens = new_tokens.at[rows, result.accept_len].set(result.bonus)
   path_features = jnp.take_along_axis(features, result.path[:, :, None], axis=1)
-  hidden_root, draft_cache = draft_context(drafter, draft_params, head, new_tokens,
-                                           path_features, advance, draft_cache)
+  with jax.named_scope("draft_context"):
+    hidden_root, draft_cache = draft_context(drafter, draft_params, head, new_tokens,
+                                             path_features, advance, draft_cache)
 
   stop_at = first_stop(new_tokens, stop_ids)
   count = jnp.minimum(jnp.minimum(result.accept_len + 1, stop_at + 1),

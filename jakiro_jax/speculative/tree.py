@@ -16,12 +16,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+
+def tree_search(fn):
+  """`fn` traced under the named scope `tree_search` (top-k, frontiers, the tree's
+  build: what a profile of the round counts apart from the draft's forwards)."""
+  @functools.wraps(fn)
+  def scoped(*args, **kwargs):
+    with jax.named_scope("tree_search"):
+      return fn(*args, **kwargs)
+  return scoped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +80,7 @@ class Tree:
   score: jax.Array  # [B, N] cumulative draft log-prob (root 0)
 
 
+@tree_search
 def build_tree(candidates: Candidates, root: jax.Array, num_nodes: int,
                max_depth: int) -> Tree:
   """Keeps the best `num_nodes - 1` candidates under `root [B]` (EAGLE-2 rerank)."""
@@ -142,6 +154,7 @@ def _blocks_here() -> int:
   return 1 if jax.default_backend() == "cpu" else VOCAB_BLOCKS
 
 
+@tree_search
 def topk_level(logp: jax.Array, k: int, vocab_ids: tuple[int, ...] = ()):
   """Per-row top-k: `[..., V]` log-probs -> (scores, tokens) `[..., k]`, exactly
   `lax.top_k` (ties to the lower token id), ranked block by block then merged.
@@ -172,6 +185,7 @@ def topk_level(logp: jax.Array, k: int, vocab_ids: tuple[int, ...] = ()):
   return scores, tokens.astype(jnp.int32)
 
 
+@tree_search
 def level_one(logp_root: jax.Array, hidden_root: jax.Array, k: int, slots: int,
               vocab_ids: tuple[int, ...] = ()) -> Frontier:
   """The K best children of the root (candidates 0..K-1) as the first frontier."""
@@ -185,6 +199,7 @@ def level_one(logp_root: jax.Array, hidden_root: jax.Array, k: int, slots: int,
       parent_row=jnp.zeros((batch, k), jnp.int32))
 
 
+@tree_search
 def next_frontier(frontier: Frontier, cumulative: jax.Array, child_tokens: jax.Array,
                   hidden: jax.Array, step: int, slots: int,
                   candidate_ids: Callable[[jax.Array], jax.Array]):

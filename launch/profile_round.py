@@ -1,0 +1,181 @@
+"""Where a speculative round's time goes inside the jitted loop, against its parts timed apart.
+
+  python -m launch.profile_round --config=configs/smollm2_135m.py --tree=2,2,5 \\
+      --questions=path/to/eval/alpaca.jsonl
+
+For one prompt (the first question, or --prompt) it prints, alternating the programs in one
+process (medians of --repeats):
+- the AR loop's step: (answer of N tokens - answer of 1 token) / (N - 1);
+- the speculative loop's round: (answer of N tokens - answer of 1) / rounds, as the loop
+  runs it;
+- the round's parts timed apart (`round_timing.round_split`: the draft part, the verify
+  part) at the context the answer reaches halfway;
+- the loop's rounds by operation: a profiler trace of the loop, each XLA thunk's time
+  summed by what its HLO instruction was traced under (the named scopes of
+  `speculative_round`: the draft's tree and its forwards, the draft head, top-k and tree
+  building, the verify's target forward, acceptance, the commit, the draft's context
+  forward, the loop's bookkeeping), in ms per round. Thunks may run two at a time on two
+  threads, so the column sums thread time, not wall time.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+
+from absl import app, flags
+
+from jakiro_jax.drafts import registry
+from launch import cli
+
+_CONFIG = cli.define_config_file("config", "configs/smollm2_135m.py",
+                                 "Experiment config file.", lock_config=True)
+_METHOD = flags.DEFINE_enum("method", registry.MAIN_JOB_PREFERENCE[0], list(registry.names()),
+                            "Draft method (its shipped draft; default: the main job's first).")
+_TREE = flags.DEFINE_string("tree", "config", "config or TOP_K,DEPTH,TOTAL_TOKENS.")
+_QUESTIONS = flags.DEFINE_string("questions", None, "FastChat .jsonl: the first question.")
+_PROMPT = flags.DEFINE_string("prompt", "Give three tips for staying healthy.",
+                              "User turn, without --questions.")
+_NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens of the timed answers.",
+                            lower_bound=2)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Alternated timings of each program.",
+                                lower_bound=1)
+
+# What a thunk was traced under, first match wins: (label, pattern in its op_name).
+CATEGORIES = (
+    ("draft head (log-probs over the draft vocabulary)", "draft_head"),
+    ("top-k and tree building", "tree_search"),
+    ("draft forwards over the tree's levels", "draft_tree"),
+    ("acceptance walk", "accept"),
+    ("verify: target forward over the tree", "verify"),
+    ("commit the accepted path's K/V", "commit"),
+    ("draft context forward over the accepted pairs", "draft_context"),
+)
+OTHER = "the loop's bookkeeping (output, stop checks, state)"
+CONTROL = re.compile(r"^(while|conditional|call)(\.|$)")  # their thunks hold the others
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+  """HLO instruction name -> the op_name in its metadata, from an optimized module's text."""
+  names = {}
+  for line in hlo_text.splitlines():
+    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*metadata=\{[^}]*op_name=\"([^\"]*)\"",
+                     line)
+    if match:
+      names[match.group(1)] = match.group(2)
+  return names
+
+
+def category(op_name: str | None) -> str | None:
+  """The label of a round's thunk, None for one outside the rounds (the prefill)."""
+  if op_name is None or "spec_round" not in op_name:
+    return None
+  for label, pattern in CATEGORIES:
+    if pattern in op_name:
+      return label
+  return OTHER
+
+
+def thunk_ms(trace_dir: str, module_names: dict[str, str]) -> dict[str, float]:
+  """ms summed per category over the leaf thunks of one profiler trace."""
+  files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+  if not files:
+    raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
+  with gzip.open(max(files, key=os.path.getmtime)) as f:
+    events = json.load(f)["traceEvents"]
+  totals = collections.Counter()
+  for event in events:
+    op = (event.get("args") or {}).get("hlo_op")
+    if event.get("ph") != "X" or op is None or CONTROL.match(op):
+      continue
+    label = category(module_names.get(op))
+    if label is not None:
+      totals[label] += event["dur"] / 1e3
+  return totals
+
+
+def main(argv):
+  del argv
+  tree = None
+  if _TREE.value != "config":
+    tree = cli.positive_ints(_TREE.value.split(","), "tree")
+    if len(tree) != 3:
+      raise app.UsageError(f"--tree takes config or TOP_K,DEPTH,TOTAL_TOKENS, got {_TREE.value}")
+  import jax
+
+  from jakiro_jax import compile_cache
+  from jakiro_jax.drafts.io import draft_from_config
+  from jakiro_jax.reports.benchmark import read_questions
+  from jakiro_jax.speculative.autoregressive import generate_ar
+  from jakiro_jax.speculative.generate import generate
+  from jakiro_jax.speculative.round_timing import round_split
+  from jakiro_jax.target import load_target
+
+  config = _CONFIG.value
+  target = load_target(config.target, dtype=config.dtype)
+  overrides = {} if tree is None else dict(zip(("top_k", "depth", "total_tokens"), tree))
+  drafter, params = draft_from_config(config, _METHOD.value, target, **overrides)
+  question = read_questions(_QUESTIONS.value, 1)[0] if _QUESTIONS.value else _PROMPT.value
+  prompt = target.chat_prompt(question, config.system_prompt or None)
+  new = _NEW.value
+  runs = {
+      ("ar", new): lambda: generate_ar(target, [prompt], new),
+      ("ar", 1): lambda: generate_ar(target, [prompt], 1),
+      ("spec", new): lambda: generate(target, drafter, params, [prompt], new),
+      ("spec", 1): lambda: generate(target, drafter, params, [prompt], 1),
+  }
+  outputs = {key: run() for key, run in runs.items()}  # compiles
+  seconds = {key: [] for key in runs}
+  for _ in range(_REPEATS.value):
+    for key, run in runs.items():
+      seconds[key].append(run().seconds)
+  med = {key: statistics.median(v) for key, v in seconds.items()}
+  ar_tokens = len(outputs["ar", new].tokens[0])
+  spec = outputs["spec", new]
+  rounds = spec.rounds
+  ar_step = (med["ar", new] - med["ar", 1]) / (ar_tokens - 1) * 1e3
+  loop_round = (med["spec", new] - med["spec", 1]) / rounds * 1e3
+  parts = round_split(target, drafter, params, len(prompt) + new // 2)
+  parts_ms = parts["draft_ms"] + parts["verify_ms"]
+  print(f"prompt {len(prompt)} tokens, {drafter.name} tree {drafter.tree}, "
+        f"{len(spec.tokens[0])} new tokens in {rounds} rounds (tau {spec.tau:.2f})")
+  print(f"AR step {ar_step:.1f} ms; loop round {loop_round:.1f} ms "
+        f"({loop_round / ar_step:.2f} AR steps); parts apart: draft {parts['draft_ms']:.1f} + "
+        f"verify {parts['verify_ms']:.1f} = {parts_ms:.1f} ms ({parts_ms / ar_step:.2f} steps); "
+        f"loop / parts {loop_round / parts_ms:.2f}")
+
+  loop = [e for key, e in compile_cache._LOADED.items()
+          if key[0] == "speculative_loop" and e is not compile_cache._PLAIN_JIT]
+  if not loop:
+    print("by operation: needs the compile cache on (JAKIRO_JAX_COMPILE_CACHE), which keeps "
+          "the loop's executable")
+    return
+  names = {}
+  for executable in loop:
+    names.update(op_names(executable.as_text()))
+  trace_dir = tempfile.mkdtemp(prefix="profile_round_")
+  calls = 3
+  with jax.profiler.trace(trace_dir):
+    traced = [runs["spec", new]() for _ in range(calls)]
+  totals = thunk_ms(trace_dir, names)
+  traced_rounds = sum(o.rounds for o in traced)
+  print(f"\nby operation, thread ms per round ({calls} answers, {traced_rounds} rounds, "
+        "profiled):\n")
+  print("| part of the round | ms | share |")
+  print("|---|---|---|")
+  whole = sum(totals.values())
+  for label, _ in (*CATEGORIES, (OTHER, None)):
+    ms = totals.get(label, 0.0) / traced_rounds
+    print(f"| {label} | {ms:.2f} | {totals.get(label, 0.0) / whole:.0%} |")
+  print(f"| all | {whole / traced_rounds:.2f} | |")
+
+
+if __name__ == "__main__":
+  cli.run(main)
