@@ -197,6 +197,40 @@ class TuningResult:
             f"expected {self.expected_speedup:.2f}x over the AR loop ({source})")
 
 
+@dataclasses.dataclass
+class SelfCheck:
+  """A tuned tree checked against the AR loop as a job runs: `add` each prompt's two
+  answers (speculative, AR); once the tree's tokens/s over the prompts so far fall under
+  `min_speedup` times the AR loop's, `loses` is True and the job decodes the rest with AR.
+  Acceptance depends on the text (a summary accepts less than arithmetic), so the verdict
+  is the run's, not the tuning cache's."""
+  min_speedup: float = 1.0
+  prompts: int = 0
+  spec_tokens: int = 0
+  spec_seconds: float = 0.0
+  ar_tokens: int = 0
+  ar_seconds: float = 0.0
+
+  def add(self, spec_tokens: int, spec_seconds: float, ar_tokens: int,
+          ar_seconds: float) -> None:
+    self.prompts += 1
+    self.spec_tokens += spec_tokens
+    self.spec_seconds += spec_seconds
+    self.ar_tokens += ar_tokens
+    self.ar_seconds += ar_seconds
+
+  @property
+  def speedup(self) -> float:
+    """The tree's tokens/s over the AR loop's, over the prompts added (nan before)."""
+    if not self.prompts or self.spec_seconds <= 0 or self.ar_seconds <= 0:
+      return float("nan")
+    return (self.spec_tokens / self.spec_seconds) / (self.ar_tokens / self.ar_seconds)
+
+  @property
+  def loses(self) -> bool:
+    return self.prompts > 0 and self.speedup < self.min_speedup
+
+
 def candidate_grid(drafter) -> list[TreeChoice]:
   """Candidate trees of the drafter's method, cheapest first (`Drafter.tree_grid`: chains,
   small trees, the papers' tree)."""

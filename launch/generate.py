@@ -13,7 +13,9 @@ forward) and the speedup. The draft is the one shipped for the config's target (
 --tree=auto (the default) picks the tree with the most expected tokens/s on this device
 (`jakiro_jax/tree_tuning.py`: round and AR-step timings with acceptance on a small
 calibration set, cached per device, target, method, draft, dtype and sampling). If no tree
-beats the AR loop, it says so and decodes with AR. --tree=config takes the config's tree;
+beats the AR loop, it says so and decodes with AR; and once the tuned tree's answers so
+far run slower than the AR loop's (`tree_tuning.SelfCheck`), the other prompts decode with
+the AR loop, and the job says so. --tree=config takes the config's tree;
 --tree=TOP_K,DEPTH,TOTAL_TOKENS a given one. With a shipped draft at T = 0 the tau of each
 tree comes from the draft's `tuning_prior.json` (written by --write_tuning_prior), so a
 first run times a few target forwards instead of calibrating every tree.
@@ -236,24 +238,39 @@ def main(argv):
               f"loaded]", file=sys.stderr)
     return show_answer
 
+  speculating = drafter is not None
+  check = None  # --tree=auto checks the tuned tree against the AR loop prompt by prompt
+  if speculating and tree_flag == "auto":
+    from jakiro_jax.tree_tuning import SelfCheck
+    check = SelfCheck()
+  switched_at = None
   with CompileTime() as compiled:  # every compile of the run
     for i, (text, prompt) in enumerate(zip(texts, prompts)):
       seed = _SEED.value + i
       run_ar = lambda: generate_ar(target, [prompt], _MAX_NEW.value, sampling, seed=seed)  # noqa: E731
-      if drafter is None:
+      if not speculating:
         out = ar = warm(run_ar, answer(i, text))
       else:  # the method's answer first; the AR loop's after it, for the speedup
         out = warm(lambda: generate(target, drafter, params, [prompt], _MAX_NEW.value,
                                     sampling, seed=seed), answer(i, text))
         ar = warm(run_ar)
-        spec_tokens, spec_seconds = spec_tokens + out.num_tokens, spec_seconds + out.seconds
         accepts += out.accept_lens[0]
         mismatches += sampling.greedy and out.tokens != ar.tokens
+      spec_tokens, spec_seconds = spec_tokens + out.num_tokens, spec_seconds + out.seconds
       ar_tokens, ar_seconds = ar_tokens + ar.num_tokens, ar_seconds + ar.seconds
       line = f"[{out.num_tokens} tokens in {out.seconds:.2f} s: {out.tokens_per_s:.1f} tokens/s"
-      if drafter is not None:
+      if speculating:
         line += f", tau {out.tau:.2f}; AR loop {ar.tokens_per_s:.1f} tokens/s"
       print(line + "]")
+      if speculating and check is not None:
+        check.add(out.num_tokens, out.seconds, ar.num_tokens, ar.seconds)
+        if check.loses and i + 1 < len(prompts):
+          speculating, switched_at = False, i + 1
+          print(f"self-check: {method} ran at {check.speedup:.2f}x of the AR loop over the first "
+                f"{i + 1} prompt(s) (its tuning expected {tuning.expected_speedup:.2f}x): "
+                f"the other prompts decode with the AR loop. The tuning cache is kept "
+                f"(acceptance depends on the text); --tree=config or --tree=K,D,N keeps "
+                f"the tree", file=sys.stderr)
   print(f"compiled {compiled.count} programs in {compiled.seconds:.1f} s, read "
         f"{compiled.loaded} from the persistent cache ({compile_cache_note()})",
         file=sys.stderr)
@@ -266,10 +283,13 @@ def main(argv):
     return
   rate = spec_tokens / spec_seconds
   tau = 1.0 + sum(accepts) / max(len(accepts), 1)
-  greedy = (f" greedy_mismatches={mismatches}/{len(prompts)}" if sampling.greedy else "")
+  checked = switched_at or len(prompts)  # prompts both loops answered
+  greedy = (f" greedy_mismatches={mismatches}/{checked}" if sampling.greedy else "")
+  switched = ("" if switched_at is None else
+              f" (self-check: prompts {switched_at + 1}-{len(prompts)} decoded with AR)")
   print(f"\nmethod={method} target={target.name} device={device.platform} "
         f"tokens/s={rate:.1f} tau={tau:.2f} ar_tokens/s={ar_rate:.1f} "
-        f"speedup={rate / ar_rate:.2f}x{greedy}")
+        f"speedup={rate / ar_rate:.2f}x{greedy}{switched}")
 
 
 if __name__ == "__main__":

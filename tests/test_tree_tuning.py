@@ -441,3 +441,16 @@ def test_shipped_priors_hold_every_candidate_of_the_main_jobs_drafters(smollm2):
       assert tree_tuning.drafter_digest(candidate) in taus, (name, choice.label())
     checked += 1
   assert checked == len(SHIPPED_DRAFTS) >= 1
+
+
+def test_the_self_check_turns_to_ar_once_the_tree_runs_slower():
+  from jakiro_jax.tree_tuning import SelfCheck
+  check = SelfCheck()
+  assert not check.loses and check.speedup != check.speedup  # nothing added: nan
+  check.add(64, 1.0, 64, 1.5)  # 1.5x
+  assert not check.loses and abs(check.speedup - 1.5) < 1e-9
+  check.add(64, 3.0, 64, 1.5)  # over both prompts: 128/4.0 against 128/3.0
+  assert check.loses and abs(check.speedup - 0.75) < 1e-9
+  strict = SelfCheck(min_speedup=1.2)
+  strict.add(10, 1.0, 10, 1.1)  # 1.1x: wins, but not by the margin asked
+  assert strict.loses

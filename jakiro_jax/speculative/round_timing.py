@@ -83,11 +83,12 @@ def decode_step_fn(config):
   return jax.jit(decode_forward(config), donate_argnames=("cache",))
 
 
-def forward_ms(target, context_len: int, width: int = 1, repeats: int = 7) -> float:
-  """Median ms of one jitted batch-1 target forward over `width` new tokens (logits
-  `[1, width, V]` included) after `context_len` cached ones. Width 1 is the AR decode
-  step; width N is the verify forward of an N-node tree without its acceptance step, so it
-  bounds that verify from below (`decode_forward`)."""
+def forward_runner(target, context_len: int, width: int = 1):
+  """A callable running one jitted batch-1 target forward over `width` new tokens
+  (logits `[1, width, V]` included, returned) after `context_len` cached ones, the cache
+  donated and kept. Width 1 is the AR decode step; width N is the verify forward of an
+  N-node tree without its acceptance step, so it bounds that verify from below
+  (`decode_forward`)."""
   step = decode_step_fn(target.config)
   state = {"cache": new_cache(target.config, 1, cache_class(context_len + width)).replace(
       lengths=jnp.array([context_len], jnp.int32))}
@@ -96,7 +97,28 @@ def forward_ms(target, context_len: int, width: int = 1, repeats: int = 7) -> fl
   def run():
     logits, state["cache"] = step(target.params, tokens, state["cache"])
     return logits
-  return median_ms(run, repeats=repeats)
+  return run
+
+
+def forward_ms(target, context_len: int, width: int = 1, repeats: int = 7) -> float:
+  """Median ms of `forward_runner`'s forward."""
+  return median_ms(forward_runner(target, context_len, width), repeats=repeats)
+
+
+def alternated_ms(runs: dict, repeats: int = 7, warmup: int = 1) -> dict[str, list[float]]:
+  """ms of each of `runs` (name -> callable), `repeats` times, the callables taken in
+  turn: a machine whose speed drifts (another job starting beside it) slows neighbouring
+  samples alike, so ratios of samples taken together hold where separate medians do not."""
+  for run in runs.values():
+    for _ in range(warmup):
+      jax.block_until_ready(run())
+  times = {name: [] for name in runs}
+  for _ in range(repeats):
+    for name, run in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      times[name].append((time.perf_counter() - start) * 1e3)
+  return times
 
 
 def ar_step_ms(target, context_len: int) -> float:
@@ -138,10 +160,11 @@ def _verify_part(target_params, tree, cache, *, target_config, drafter, sampling
 
 
 def round_split(target, drafter, draft_params, context_len: int,
-                sampling: SamplingConfig = SamplingConfig()) -> dict:
+                sampling: SamplingConfig = SamplingConfig(), repeats: int = 7) -> dict:
   """Median ms of the draft part (context forward + tree) and of the verify part, on
   caches of the loop's cache class: one compile of each part per drafter and class, so
-  timing it at another context compiles nothing.
+  timing it at another context compiles nothing. The two parts are timed in turn
+  (`alternated_ms`).
 
   The verify part runs the target with its own config; a drafter built for another target
   config is refused (`check_draft_fits`), as in `generate`."""
@@ -159,12 +182,14 @@ def round_split(target, drafter, draft_params, context_len: int,
                                         **static)
     return tree
   tree = draft()
-  caches["target"] = new_cache(target.config, 1, max_len).replace(lengths=lengths)
+  # Its own lengths: donating the cache frees them, and the draft part reads `lengths`.
+  caches["target"] = new_cache(target.config, 1, max_len).replace(
+      lengths=jnp.array([context_len], jnp.int32))
 
   def verify():
     path, caches["target"] = _verify_part(target.params, tree, caches["target"], **static)
     return path
-  draft_ms = median_ms(draft)
-  verify_ms = median_ms(verify)
+  times = alternated_ms({"draft": draft, "verify": verify}, repeats, warmup=2)
+  draft_ms, verify_ms = (float(np.median(times[n])) for n in ("draft", "verify"))
   return {"draft_ms": draft_ms, "verify_ms": verify_ms,
           "draft_time_share": draft_ms / (draft_ms + verify_ms)}
