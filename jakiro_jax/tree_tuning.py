@@ -22,7 +22,10 @@ calibrates it there. Candidates go smallest first:
    verify costs at least that, and a forward over more tokens costs no less, so one timed
    width bounds every larger one): if tau / that time cannot beat the best so far, the
    candidate is dropped before its round is compiled;
-3. the draft part and the verify part of its round are timed (`round_timing.round_split`);
+3. the draft part and the verify part of its round are timed (`round_timing.round_split`),
+   in turn with the AR step: a round costs the median of its samples' ratios to the step
+   beside them, in AR steps (so does the forward bound of 2.), which a machine whose speed
+   drifts while it tunes (another job starting) does not skew;
 4. without a prior tau, a candidate whose best case (every level accepted) beats the best
    so far is calibrated: speculative generation of the calibration prompts (one batch;
    tau is per row).
@@ -53,15 +56,17 @@ from jakiro_jax.kernels import small_rows
 from jakiro_jax.drafts.registry import json_value, option_fields
 from jakiro_jax.models.embedded import default_cache_dir
 from jakiro_jax.speculative.generate import generate
-from jakiro_jax.speculative.round_timing import ar_step_ms, forward_ms, round_split
+from jakiro_jax.speculative.round_timing import (alternated_ms, ar_step_ms, forward_runner,
+                                                 ratio_median, round_split)
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import TreeConfig
 
 # Bump when the grid or the measurement changes: old cache entries and priors lapse.
 GRID_VERSION = 2
 # Bump when code under a round's cost changes (cache entries lapse, priors stay): 1 when
-# the draft heads moved to the CPU's small-row matmul.
-COST_VERSION = 1
+# the draft heads moved to the CPU's small-row matmul, 2 when rounds were timed in AR
+# steps alternated with the step.
+COST_VERSION = 2
 PRIOR_FILE = "tuning_prior.json"
 PRIOR_FORMAT = 1
 PRIOR_COMMAND = ("python -m launch.generate --config=CONFIG --method=METHOD "
@@ -429,6 +434,14 @@ def write_prior(target, method: str, directory: str, *, loaded: Any,
   return prior
 
 
+def forward_ms(target, context: int, width: int, reference, reference_ms: float) -> float:
+  """ms of the target forward over `width` tokens after `context`: `reference_ms` times its
+  median ratio to `reference` (the AR step), the two timed in turn (`alternated_ms`)."""
+  times = alternated_ms({"forward": forward_runner(target, context, width),
+                         "step": reference})
+  return ratio_median(times, ("forward",), "step") * reference_ms
+
+
 def _forward_bound(measured: dict[int, float], width: int) -> float | None:
   """The largest timed forward over at most `width` tokens (a lower bound of the forward
   over `width`), None if none is timed."""
@@ -478,6 +491,7 @@ def tune_tree(target, method: str, draft: str | None = None, *,
   context = int(statistics.mean(len(p) for p in prompts)) + max_new_tokens // 2
   kind, platform = device_description()
   ar_ms = ar_step_ms(target, context)
+  ar_step = forward_runner(target, context, 1)  # timed beside each candidate
   best_rate = 1e3 / ar_ms * margin  # a candidate must beat this
   forwards: dict[int, float] = {}  # timed target forwards by width
   rows: list[dict | None] = [None] * len(grid)
@@ -500,15 +514,18 @@ def tune_tree(target, method: str, draft: str | None = None, *,
       if prune:
         bound = _forward_bound(forwards, width)
         if width not in forwards and (bound is None or tau * 1e3 / bound > best_rate):
-          forwards[width] = bound = forward_ms(target, context, width)
+          forwards[width] = bound = forward_ms(target, context, width, ar_step, ar_ms)
         if tau * 1e3 / bound <= best_rate:
           rows[index] = dict(row, forward_ms=bound, expected_tokens_per_s=None,
                              skipped=f"cannot beat the best so far: its verify costs at "
                              f"least {bound:.1f} ms (a target forward over <= {width} "
                              f"tokens)")
           continue
-    split = round_split(target, candidate, params, context, sampling)
-    round_ms = split["draft_ms"] + split["verify_ms"]
+    split = round_split(target, candidate, params, context, sampling, reference=ar_step)
+    # In AR steps timed alongside, at the step's ms: a drift in the machine's speed while
+    # it tunes (another job starting) cancels out.
+    round_ms = (split["round_in_reference"] * ar_ms if "round_in_reference" in split
+                else split["draft_ms"] + split["verify_ms"])
     row.update(draft_ms=split["draft_ms"], verify_ms=split["verify_ms"], round_ms=round_ms,
                round_in_ar_steps=round_ms / ar_ms, max_tokens_per_round=candidate.tree.max_path)
     if tau is None:

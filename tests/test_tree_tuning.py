@@ -77,7 +77,9 @@ def test_calibration_measures_acceptance_and_caches(peaky_target, tmp_path, monk
   assert result.candidates[0]["tau"] == 5.0
   assert result.candidates[1]["tau"] == 4.0
   for row in result.candidates:
-    assert row["round_ms"] == pytest.approx(row["draft_ms"] + row["verify_ms"])
+    # A round in AR steps timed beside it, at the step's ms: near its parts' own ms.
+    assert row["round_ms"] == pytest.approx(row["round_in_ar_steps"] * result.ar_step_ms)
+    assert 1 / 3 < row["round_ms"] / (row["draft_ms"] + row["verify_ms"]) < 3
     assert row["expected_tokens_per_s"] == pytest.approx(row["tau"] * 1e3 / row["round_ms"])
   assert result.choice is not None  # margin 0: any candidate beats "AR"
   best = max(result.candidates, key=lambda r: r["expected_tokens_per_s"])
@@ -125,7 +127,9 @@ def test_a_candidate_that_cannot_win_is_not_calibrated(tiny_pair, tmp_path, monk
   drafter = Eagle2Drafter(target.config, TreeConfig(2, 2, 5))
   import jax
   params = drafter.init_params(jax.random.PRNGKey(0))
-  monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1e-3)  # AR: 1M tokens/s
+  # A round costs 50 AR steps (timed beside the step): 2 tokens a round cannot win.
+  monkeypatch.setattr(tree_tuning, "round_split", lambda *a, **k: {
+      "draft_ms": 1.0, "verify_ms": 1.0, "round_in_reference": 50.0})
   calls = []
   monkeypatch.setattr("jakiro_jax.speculative.generate.generate",
                       lambda *a, **k: calls.append(1))
@@ -258,8 +262,9 @@ def test_prior_replaces_calibration_for_its_draft(saved_draft, tmp_path, monkeyp
   # AR very slow: both trees are timed and win on the prior's tau, none is calibrated.
   monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1e6)
   # Round timings stand in (the calibration test above times real rounds): wider, slower.
-  monkeypatch.setattr(tree_tuning, "round_split", lambda target, candidate, *a: {
+  monkeypatch.setattr(tree_tuning, "round_split", lambda target, candidate, *a, **k: {
       "draft_ms": 1.0, "verify_ms": float(candidate.tree.total_tokens)})
+  monkeypatch.setattr(tree_tuning, "forward_ms", lambda *a: 1.0)  # no bound prunes
   result = _tune(target, directory, (drafter, params), tmp_path)
   assert calls == []
   assert [row["tau"] for row in result.candidates] == taus
@@ -293,7 +298,7 @@ def test_prior_drops_losers_on_a_target_forward_before_timing_rounds(saved_draft
   widths = []
   monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1.0)  # AR: 1000 tokens/s
   monkeypatch.setattr(tree_tuning, "forward_ms",
-                      lambda target, context, width: widths.append(width) or 10.0)
+                      lambda target, context, width, *a: widths.append(width) or 10.0)
 
   def no_round(*args, **kwargs):
     raise AssertionError("timed the round of a tree that cannot win")

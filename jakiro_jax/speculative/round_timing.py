@@ -121,6 +121,13 @@ def alternated_ms(runs: dict, repeats: int = 7, warmup: int = 1) -> dict[str, li
   return times
 
 
+def ratio_median(times: dict[str, list[float]], parts, reference: str) -> float:
+  """Median over the samples of the `parts`' ms summed over the `reference`'s, each
+  sample's taken together (`alternated_ms`)."""
+  return float(np.median([sum(times[p][i] for p in parts) / times[reference][i]
+                          for i in range(len(times[reference]))]))
+
+
 def ar_step_ms(target, context_len: int) -> float:
   """Median ms of one jitted batch-1 decode step (logits included) at `context_len`."""
   return forward_ms(target, context_len, 1, repeats=15)
@@ -160,11 +167,13 @@ def _verify_part(target_params, tree, cache, *, target_config, drafter, sampling
 
 
 def round_split(target, drafter, draft_params, context_len: int,
-                sampling: SamplingConfig = SamplingConfig(), repeats: int = 7) -> dict:
+                sampling: SamplingConfig = SamplingConfig(), repeats: int = 7,
+                reference=None) -> dict:
   """Median ms of the draft part (context forward + tree) and of the verify part, on
   caches of the loop's cache class: one compile of each part per drafter and class, so
   timing it at another context compiles nothing. The two parts are timed in turn
-  (`alternated_ms`).
+  (`alternated_ms`); with a `reference` (a callable: `forward_runner`'s AR step) that too,
+  and `round_in_reference` is the median over the samples of (draft + verify) / reference.
 
   The verify part runs the target with its own config; a drafter built for another target
   config is refused (`check_draft_fits`), as in `generate`."""
@@ -189,7 +198,13 @@ def round_split(target, drafter, draft_params, context_len: int,
   def verify():
     path, caches["target"] = _verify_part(target.params, tree, caches["target"], **static)
     return path
-  times = alternated_ms({"draft": draft, "verify": verify}, repeats, warmup=2)
+  runs = {"draft": draft, "verify": verify}
+  if reference is not None:
+    runs["reference"] = reference
+  times = alternated_ms(runs, repeats, warmup=2)
   draft_ms, verify_ms = (float(np.median(times[n])) for n in ("draft", "verify"))
-  return {"draft_ms": draft_ms, "verify_ms": verify_ms,
-          "draft_time_share": draft_ms / (draft_ms + verify_ms)}
+  split = {"draft_ms": draft_ms, "verify_ms": verify_ms,
+           "draft_time_share": draft_ms / (draft_ms + verify_ms)}
+  if reference is not None:
+    split["round_in_reference"] = ratio_median(times, ("draft", "verify"), "reference")
+  return split
