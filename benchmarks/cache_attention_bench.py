@@ -19,7 +19,7 @@ import numpy as np
 
 from jakiro_jax.kernels import small_rows
 from jakiro_jax.models import llama, tree_attention
-from jakiro_jax.speculative.round_timing import timed_runs
+from jakiro_jax.speculative.round_timing import alternated_ms
 
 
 def main() -> None:
@@ -49,14 +49,11 @@ def main() -> None:
     mask = jnp.asarray(np.arange(args.slots)[None, None] < seen + np.arange(tokens)[None, :, None])
     with small_rows.switched_off():
       xla(q, k, v, mask).block_until_ready()  # traced here, without the kernels
-    runs = {"kernel": lambda: kernel(q, k, v, mask), "xla": lambda: xla(q, k, v, mask)}
-    seconds = {name: timed_runs(run, 1, warmup=1) for name, run in runs.items()}
-    for _ in range(args.repeats - 1):  # alternated
-      for name, run in runs.items():
-        seconds[name] += timed_runs(run, 1, warmup=0)
+    ms = alternated_ms({"kernel": lambda: kernel(q, k, v, mask),
+                        "xla": lambda: xla(q, k, v, mask)}, args.repeats)
     print(json.dumps({"query_tokens": tokens, "visible_slots": seen,
-                      **{f"{name}_ms": round(1e3 * float(np.median(s)), 2)
-                         for name, s in seconds.items()}}), flush=True)
+                      **{f"{name}_ms": round(float(np.median(s)), 2)
+                         for name, s in ms.items()}}), flush=True)
 
 
 if __name__ == "__main__":

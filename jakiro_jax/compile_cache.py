@@ -232,6 +232,12 @@ def kept_call(jitted, name: str, static: dict, *args):
   return executable(*args)
 
 
+def kept_executables(name: str) -> list:
+  """The executables `kept_call` holds in this process for the program `name` (e.g.
+  "speculative_loop"): what a profile reads the optimized HLO of."""
+  return [e for key, e in _LOADED.items() if key[0] == name and e is not _PLAIN_JIT]
+
+
 def _read_executable(path: str):
   """The executable kept at `path`, or None (not there, or unreadable: removed, with a
   warning, and compiled again)."""

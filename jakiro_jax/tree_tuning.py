@@ -434,7 +434,8 @@ def write_prior(target, method: str, directory: str, *, loaded: Any,
   return prior
 
 
-def forward_ms(target, context: int, width: int, reference, reference_ms: float) -> float:
+def forward_alongside_ms(target, context: int, width: int, reference,
+                         reference_ms: float) -> float:
   """ms of the target forward over `width` tokens after `context`: `reference_ms` times its
   median ratio to `reference` (the AR step), the two timed in turn (`alternated_ms`)."""
   times = alternated_ms({"forward": forward_runner(target, context, width),
@@ -514,7 +515,8 @@ def tune_tree(target, method: str, draft: str | None = None, *,
       if prune:
         bound = _forward_bound(forwards, width)
         if width not in forwards and (bound is None or tau * 1e3 / bound > best_rate):
-          forwards[width] = bound = forward_ms(target, context, width, ar_step, ar_ms)
+          forwards[width] = bound = forward_alongside_ms(target, context, width, ar_step,
+                                                          ar_ms)
         if tau * 1e3 / bound <= best_rate:
           rows[index] = dict(row, forward_ms=bound, expected_tokens_per_s=None,
                              skipped=f"cannot beat the best so far: its verify costs at "
@@ -524,8 +526,7 @@ def tune_tree(target, method: str, draft: str | None = None, *,
     split = round_split(target, candidate, params, context, sampling, reference=ar_step)
     # In AR steps timed alongside, at the step's ms: a drift in the machine's speed while
     # it tunes (another job starting) cancels out.
-    round_ms = (split["round_in_reference"] * ar_ms if "round_in_reference" in split
-                else split["draft_ms"] + split["verify_ms"])
+    round_ms = split["round_in_reference"] * ar_ms
     row.update(draft_ms=split["draft_ms"], verify_ms=split["verify_ms"], round_ms=round_ms,
                round_in_ar_steps=round_ms / ar_ms, max_tokens_per_round=candidate.tree.max_path)
     if tau is None:

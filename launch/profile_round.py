@@ -151,8 +151,7 @@ def main(argv):
         f"verify {parts['verify_ms']:.1f} = {parts_ms:.1f} ms ({parts_ms / ar_step:.2f} steps); "
         f"loop / parts {loop_round / parts_ms:.2f}")
 
-  loop = [e for key, e in compile_cache._LOADED.items()
-          if key[0] == "speculative_loop" and e is not compile_cache._PLAIN_JIT]
+  loop = compile_cache.kept_executables("speculative_loop")
   if not loop:
     print("by operation: needs the compile cache on (JAKIRO_JAX_COMPILE_CACHE), which keeps "
           "the loop's executable")

@@ -263,8 +263,9 @@ def test_prior_replaces_calibration_for_its_draft(saved_draft, tmp_path, monkeyp
   monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1e6)
   # Round timings stand in (the calibration test above times real rounds): wider, slower.
   monkeypatch.setattr(tree_tuning, "round_split", lambda target, candidate, *a, **k: {
-      "draft_ms": 1.0, "verify_ms": float(candidate.tree.total_tokens)})
-  monkeypatch.setattr(tree_tuning, "forward_ms", lambda *a: 1.0)  # no bound prunes
+      "draft_ms": 1.0, "verify_ms": float(candidate.tree.total_tokens),
+      "round_in_reference": (1.0 + candidate.tree.total_tokens) / 1e6})  # of the 1e6 ms step
+  monkeypatch.setattr(tree_tuning, "forward_alongside_ms", lambda *a: 1.0)  # no bound prunes
   result = _tune(target, directory, (drafter, params), tmp_path)
   assert calls == []
   assert [row["tau"] for row in result.candidates] == taus
@@ -297,7 +298,7 @@ def test_prior_drops_losers_on_a_target_forward_before_timing_rounds(saved_draft
                           progress=False)
   widths = []
   monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1.0)  # AR: 1000 tokens/s
-  monkeypatch.setattr(tree_tuning, "forward_ms",
+  monkeypatch.setattr(tree_tuning, "forward_alongside_ms",
                       lambda target, context, width, *a: widths.append(width) or 10.0)
 
   def no_round(*args, **kwargs):

@@ -66,7 +66,7 @@ def prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
 
 
 def chunked_prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax.Array,
-                    cache: KVCache, chunks: int | Sequence[int], on_chunk=None, carry=None,
+                    cache: KVCache, chunks: Sequence[int], on_chunk=None, carry=None,
                     keep_features: bool = False):
   """Right-padded prompts `[B, W]` through the target in chunks, each chunk width one
   `lax.fori_loop` over as many chunks as the longest row needs: one program serves every
@@ -77,7 +77,8 @@ def chunked_prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax
   e.g. (256, 64): a 769-token prompt takes three chunks of 256 and one of 64. Each width
   runs while what is left (in narrow chunks) fills one: every width computes the tokens
   the narrow chunks would, and a wider chunk reads the weights once for more of them (on
-  a CPU, 13 chunks of 64 took 22% longer than one forward of 832 tokens).
+  a CPU, 13 chunks of 64 took 25% longer than one forward of 832 tokens:
+  `benchmarks/prefill_chunks_bench.py`).
 
   A chunk starting at slot s writes slots s.. of every row (past a row's length:
   padding, never read: the masks stop at `lengths`, and later tokens overwrite those
@@ -88,7 +89,7 @@ def chunked_prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax
   prompt_lengths, carry)`; with `keep_features` the carry is every prompt slot's features
   `[B, W, F]` instead.
   """
-  widths = (chunks,) if isinstance(chunks, int) else tuple(chunks)
+  widths = tuple(chunks)
   narrow = widths[-1]
   batch, width = prompt.shape
   if any(w % narrow for w in widths) or list(widths) != sorted(widths, reverse=True):

@@ -42,8 +42,9 @@ FULL_RUNG_ROWS = 8
 # Prompt tokens per prefill chunk, widest first (`autoregressive.chunked_prefill`): on a
 # CPU a forward costs about its tokens, and a chat prompt is under 64, but each chunk
 # reads the weights again: a long prompt goes 256 tokens at a time (SmolLM2, a 769-token
-# prompt, 2-core CPU, medians of 5: 13 chunks of 64 2.10 s, 4 of 256 2.06 s, one forward
-# of 832 tokens 1.72 s). An accelerator's matmul units want wide chunks; one width keeps
+# prompt, 2-core CPU, `python -m benchmarks.prefill_chunks_bench --ladders=64,256,256/64`:
+# 13 chunks of 64 2.07 s, 4 of 256 1.99 s, 3 of 256 and 1 of 64 1.58 s, one forward of
+# 832 tokens 1.65 s). An accelerator's matmul units want wide chunks; one width keeps
 # its loop's compile short.
 CPU_PREFILL_CHUNKS = (256, 64)
 ACCELERATOR_PREFILL_CHUNKS = (256,)
