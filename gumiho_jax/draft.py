@@ -116,6 +116,7 @@ class GumihoDrafter(FcDraftHead):
   reads_fused: ClassVar[bool] = True
   inference_options: ClassVar[tuple[str, ...]] = ("fta", "reference_parity", "mlp_topk",
                                                   "pruning")
+  merges_lookup: ClassVar[bool] = False  # full tree attention plans its own rows
   torch_layout: ClassVar = None  # gumiho_jax/export.py sets it
   init_method: ClassVar[str] = "init_all"  # the serial layers and the MLP heads
   loss_settings: ClassVar[type] = GumihoLossSettings

@@ -55,6 +55,7 @@ from jakiro_jax.drafts import io as draft_io
 from jakiro_jax.kernels import small_rows
 from jakiro_jax.drafts.registry import json_value, option_fields
 from jakiro_jax.models.embedded import default_cache_dir
+from jakiro_jax.speculative.drafter import round_max_path, verified_nodes
 from jakiro_jax.speculative.generate import generate
 from jakiro_jax.speculative.round_timing import (alternated_ms, ar_step_ms, forward_runner,
                                                  ratio_median, round_split)
@@ -342,6 +343,8 @@ def drafter_digest(drafter) -> str:
   options = {k: json_value(v) for k, v in option_fields(drafter).items()}
   if options.get("features") == "last":  # the default, from before the option: same keys
     del options["features"]
+  if not options.get("lookup_tokens", 1):  # likewise: no lookup chain
+    del options["lookup_tokens"]
   return _digest({"tree": dataclasses.asdict(drafter.tree), "options": options})
 
 
@@ -503,12 +506,12 @@ def tune_tree(target, method: str, draft: str | None = None, *,
     except ValueError as e:  # e.g. a draft vocabulary smaller than top_k
       rows[index] = dict(choice.to_json(), skipped=str(e), expected_tokens_per_s=None)
   # Smallest trees first: their forwards are cheap and bound the larger ones' (stable).
-  candidates.sort(key=lambda item: item[1].tree.total_tokens)
+  candidates.sort(key=lambda item: verified_nodes(item[1]))
   bar = tqdm(candidates, desc=f"tuning {method} trees", file=sys.stderr,
              disable=not progress)
   for index, candidate in bar:
     row = grid[index].to_json()
-    width = candidate.tree.total_tokens
+    width = verified_nodes(candidate)
     tau = None if prior is None else prior.get(drafter_digest(candidate))
     if tau is not None:
       row.update(tau=tau, tau_source="prior")
@@ -528,9 +531,9 @@ def tune_tree(target, method: str, draft: str | None = None, *,
     # it tunes (another job starting) cancels out.
     round_ms = split["round_in_reference"] * ar_ms
     row.update(draft_ms=split["draft_ms"], verify_ms=split["verify_ms"], round_ms=round_ms,
-               round_in_ar_steps=round_ms / ar_ms, max_tokens_per_round=candidate.tree.max_path)
+               round_in_ar_steps=round_ms / ar_ms, max_tokens_per_round=round_max_path(candidate))
     if tau is None:
-      if prune and candidate.tree.max_path * 1e3 / round_ms <= best_rate:
+      if prune and round_max_path(candidate) * 1e3 / round_ms <= best_rate:
         rows[index] = dict(row, skipped="cannot beat the best so far even if every level "
                            "is accepted", tau=None, expected_tokens_per_s=None)
         continue

@@ -13,6 +13,9 @@ import pytest
 from conftest import random_prompts, tiny_hf_model
 from jakiro_jax.drafts import make_drafter, registry
 from jakiro_jax.drafts.lookup import LookupDrafter, lookup_proposal
+from jakiro_jax.speculative.lookup_chain import with_chain
+from jakiro_jax.speculative.tree import Tree
+from jakiro_jax.speculative.verify import accept
 from jakiro_jax.speculative.autoregressive import generate_ar
 from jakiro_jax.speculative.generate import generate
 from jakiro_jax.speculative.sampling import SamplingConfig
@@ -91,6 +94,59 @@ def test_greedy_and_seeded_sampling_match_the_ar_loop(target, batch):
   sampled = generate(target, drafter, {}, prompts, max_new_tokens=24,
                      sampling=SamplingConfig(temperature=1.0), seed=1)
   assert [len(t) for t in sampled.tokens] == [24] * batch
+
+
+def test_a_chain_beside_a_drafted_tree_by_hand():
+  # drafted: root -> a(1) -> c(3); root -> b(2)
+  parent = jnp.array([[-1, 0, 0, 1]])
+  ancestor = jnp.array([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], bool)
+  tree = Tree(tokens=jnp.array([[9, 4, 5, 6]]), parent=parent,
+              depth=jnp.array([[0, 1, 1, 2]]), ancestor=ancestor,
+              score=jnp.array([[0.0, -1.0, -2.0, -3.0]]))
+  merged = with_chain(tree, jnp.array([[4, 7, 8]]))  # its first token is also drafted
+  np.testing.assert_array_equal(merged.tokens, [[9, 4, 5, 6, 4, 7, 8]])
+  np.testing.assert_array_equal(merged.parent, [[-1, 0, 0, 1, 0, 4, 5]])
+  np.testing.assert_array_equal(merged.depth, [[0, 1, 1, 2, 1, 2, 3]])
+  want = np.zeros((7, 7), bool)
+  want[:4, :4] = ancestor[0]
+  want[4:, 0] = True
+  want[4:, 4:] = np.tri(3, dtype=bool)
+  np.testing.assert_array_equal(merged.ancestor[0], want)
+  # Greedy: the target continues 4 7 8 (then 2): the chain's path wins over the drafted
+  # sibling of the same token, which reaches one level less.
+  next_tokens = {0: 4, 1: 6, 2: 0, 3: 0, 4: 7, 5: 8, 6: 2}
+  logits = jax.nn.one_hot(jnp.array([[next_tokens[i] for i in range(7)]]), 16) * 10.0
+  got = accept(merged, logits, SamplingConfig(), jax.random.PRNGKey(0), max_path=4)
+  assert int(got.accept_len[0]) == 3 and int(got.bonus[0]) == 2
+  np.testing.assert_array_equal(got.path, [[0, 4, 5, 6]])
+
+
+@pytest.mark.parametrize("method", ["eagle2", "jakiro"])
+def test_trained_heads_verify_a_lookup_chain_beside_their_tree(target, method):
+  rng = np.random.RandomState(7)
+  prompts = [p + p[:6] + p for p in random_prompts(rng, 97, [8, 12, 5])]
+  ar = generate_ar(target, prompts, max_new_tokens=24).tokens
+  taus = {}
+  for lookup in (0, 3):
+    drafter = make_drafter(method, target.config, TreeConfig(top_k=2, depth=2, total_tokens=5),
+                           lookup_tokens=lookup)
+    params = drafter.init_params(jax.random.PRNGKey(0))
+    out = generate(target, drafter, params, prompts, max_new_tokens=24)
+    assert out.tokens == ar
+    taus[lookup] = out.tau
+  # An untrained head accepts next to nothing; the repeats in the prompts are found.
+  assert taus[3] > taus[0] + 0.3, taus
+  sampled = generate(target, drafter, params, prompts, max_new_tokens=24,
+                     sampling=SamplingConfig(temperature=1.0), seed=1)
+  assert [len(t) for t in sampled.tokens] == [24] * 3
+
+
+def test_a_lookup_chain_is_refused_where_it_cannot_be_verified(target):
+  with pytest.raises(ValueError, match="lookup_tokens=-1: jakiro drafters take 0 or more"):
+    make_drafter("jakiro", target.config, TreeConfig(2, 2, 5), lookup_tokens=-1).new_cache(1, 8)
+  with pytest.raises(ValueError, match="lookup_tokens=2: gumiho drafters take 0 \\(their "
+                     "own verification"):
+    make_drafter("gumiho", target.config, lookup_tokens=2).new_cache(1, 8)
 
 
 @pytest.mark.slow  # ~25 s of SmolLM2 in a subprocess; in-process tests cover the method

@@ -120,6 +120,21 @@ def test_speculative_sampling_matches_target(small_vocab_target, method, samplin
   assert total_variation(got3, exact3) < TV_THIRD_BOUND
 
 
+def test_a_lookup_chain_beside_the_tree_samples_the_target(small_vocab_target):
+  # 11 tokens: the chain often repeats a drafted sibling's token, and the walk must give
+  # the second one p = 0 after the first's rejection.
+  target = small_vocab_target
+  sampling = SamplingConfig(temperature=1.0)
+  drafter = make_drafter("jakiro", target.config, TreeConfig(top_k=3, depth=2, total_tokens=6),
+                         lookup_tokens=2)
+  params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape),
+                        drafter.init_params(jax.random.PRNGKey(0)))
+  exact12, exact3 = exact_distributions(target, sampling)
+  got12, got3 = sampled_distributions(target, drafter, params, sampling)
+  assert total_variation(got12, exact12) < TV_JOINT_BOUND
+  assert total_variation(got3, exact3) < TV_THIRD_BOUND
+
+
 # Jakiro*'s sampled candidates on a static tree of 8 nodes (root included) and 3 levels.
 STAR_CHOICES = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
 

@@ -27,10 +27,22 @@ from jakiro_jax.models.kv_cache import KVCache, causal_mask
 from jakiro_jax.drafts.losses import LossSettings, shift_positions
 from jakiro_jax.models.llama import matmul_out_in, project_rows, weight_param
 from jakiro_jax.sharding import whole_features
-from jakiro_jax.speculative.drafter import TargetHead
+from jakiro_jax.speculative.drafter import TargetHead, round_max_path
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import Acceptance, accept
+
+
+def record_tokens(cache: KVCache, tokens: jax.Array) -> KVCache:
+  """The cache with tokens `[B, T]` at history slots lengths + t, where it keeps a
+  history (`lookup_tokens`); a tree level's tokens land past the committed ones, which
+  the next context forward overwrites and lookups never read."""
+  if getattr(cache, "history", None) is None:
+    return cache
+  batch, num_new = tokens.shape
+  slots = cache.lengths[:, None] + jnp.arange(num_new)[None]
+  return cache.replace(history=cache.history.at[jnp.arange(batch)[:, None], slots].set(
+      tokens.astype(jnp.int32), mode="drop"))
 
 
 def draft_layer_config(target: LlamaConfig, num_layers: int = 1, **changes) -> LlamaConfig:
@@ -131,6 +143,10 @@ class DraftHead:
   # The target features read: "last" (the final norm's output, EAGLE-2's), "fused"
   # (EAGLE-3's three residual streams, projected to D before fc) or layer ids "i,j,k".
   features: str = "last"
+  # Generation only: each round also verifies this many prompt-lookup tokens (the n-gram
+  # continuation of the text so far, `drafts/lookup.py`) as a chain under the root beside
+  # the drafted tree, where copied text outruns the draft; 0 = the drafted tree alone.
+  lookup_tokens: int = 0
 
   name: ClassVar[str] = ""
   inference_options: ClassVar[tuple[str, ...]] = ()
@@ -144,6 +160,9 @@ class DraftHead:
   # report's projection input, not a claim about larger targets.
   measured_tau: ClassVar[dict[str, float]] = {}
   reads_fused: ClassVar[bool] = False  # True: takes features other than "last"
+  # False: the method's own verification (a sampled multi-draft, Gumiho's full tree
+  # attention) has no place for a lookup chain, and `lookup_tokens` is refused.
+  merges_lookup: ClassVar[bool] = True
 
   @property
   def layer_config(self) -> LlamaConfig:
@@ -200,18 +219,33 @@ class DraftHead:
     return self.module().init(rng, x, x, pos, self.new_cache(1, 2), jnp.ones((1, 1, 2), bool),
                               method=self.init_method)
 
+  def check_lookup(self) -> None:
+    """A ValueError for a `lookup_tokens` this drafter cannot verify."""
+    if self.lookup_tokens < 0 or (self.lookup_tokens and not self.merges_lookup):
+      raise ValueError(f"lookup_tokens={self.lookup_tokens}: {self.name} drafters take 0"
+                       + ("" if self.merges_lookup else " (their own verification has no "
+                          "place for a lookup chain)") + (" or more" if self.merges_lookup
+                                                          else ""))
+
   def new_cache(self, batch: int, max_len: int) -> KVCache:
+    """The draft layers' KV cache; with `lookup_tokens`, the committed tokens too."""
+    self.check_lookup()
     cfg = self.layer_config
-    return KVCache.init(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
-                        cfg.dtype)
+    cache = KVCache.init(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.dtype)
+    if self.lookup_tokens:
+      cache = cache.replace(history=jnp.zeros((batch, max_len), jnp.int32))
+    return cache
 
   def extra_cache_slots(self) -> int:
     """Draft slots used past the committed context within one round."""
-    return max(self.tree.depth * self.tree.top_k, self.tree.max_path)
+    return max(self.tree.depth * self.tree.top_k, round_max_path(self))
 
   def forward(self, params, head: TargetHead, tokens, features, positions, cache, mask):
     """tokens `[B, T]`, features `[B, T, D]` -> (the module's output, cache)."""
-    return self.module().apply(params, head.embed(tokens), features, positions, cache, mask)
+    out, new = self.module().apply(params, head.embed(tokens), features, positions, cache,
+                                   mask)
+    return out, record_tokens(new, tokens)
 
   def carry(self, output):
     return output
@@ -228,7 +262,7 @@ class DraftHead:
     return tree.ancestor, None
 
   def accept(self, tree: Tree, plan, logits, sampling: SamplingConfig, rng) -> Acceptance:
-    return accept(tree, logits, sampling, rng, self.tree.max_path)
+    return accept(tree, logits, sampling, rng, round_max_path(self))
 
   def head_logits(self, head: TargetHead, hidden):
     """`[..., D]` -> fp32 logits `[..., V]` through the target's lm_head; with a draft

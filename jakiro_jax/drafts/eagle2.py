@@ -49,6 +49,7 @@ class BeamState:
 class Eagle2Drafter(FcDraftHead):
   """Hashable description of an EAGLE-2 drafter (a static argument of the jitted loop)."""
   name: ClassVar[str] = "eagle2"
+  inference_options: ClassVar[tuple[str, ...]] = ("lookup_tokens",)
   reads_fused: ClassVar[bool] = True
   torch_layout: ClassVar[tl.TorchLayout]  # set below the class
 

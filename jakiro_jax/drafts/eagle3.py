@@ -125,7 +125,7 @@ class Eagle3Drafter(Eagle2Drafter):
   name: ClassVar[str] = "eagle3"
   init_method: ClassVar[str] = "init_all"
   torch_layout: ClassVar[Any] = None  # set below the class (`drafts/eagle3_layout.py`)
-  inference_options: ClassVar[tuple[str, ...]] = ()
+  inference_options: ClassVar[tuple[str, ...]] = ("lookup_tokens",)
   measured_tau: ClassVar[dict[str, float]] = {}
   loss_settings: ClassVar[type] = Eagle3LossSettings
   reads_fused: ClassVar[bool] = True

@@ -102,7 +102,7 @@ class JakiroDrafter(Eagle2Drafter):
   accepts less)."""
   reference_parity: bool = False
   name: ClassVar[str] = "jakiro"
-  inference_options: ClassVar[tuple[str, ...]] = ("reference_parity",)
+  inference_options: ClassVar[tuple[str, ...]] = ("reference_parity", "lookup_tokens")
   torch_layout: ClassVar[tl.TorchLayout]  # set below the class
   loss_settings: ClassVar[type] = JakiroLossSettings
   measured_tau: ClassVar[dict[str, float]] = {"config": 2.09, "papers": 2.49}

@@ -172,6 +172,7 @@ class JakiroStarDrafter(FcDraftHead):
   name: ClassVar[str] = "jakiro_star"
   measured_tau: ClassVar[dict[str, float]] = {"config": 1.38}  # T = 1: no T = 0 run
   inference_options: ClassVar[tuple[str, ...]] = ("choices", "reference_parity")
+  merges_lookup: ClassVar[bool] = False  # sampled siblings: the multi-draft rule
   derives_tree: ClassVar[bool] = True
   torch_layout: ClassVar[tl.TorchLayout]  # set below the class
 

@@ -2,13 +2,10 @@
 
 Axis letters: B batch, S history slots, K proposed tokens.
 
-The draft cache is the token history: slot p holds x_{p+1}, the token of draft pair p, so
-after a round the last committed slot holds the root. A round matches the last n tokens
-(the root included) against every earlier place in the prompt and the text so far, for n
-from `max_ngram` down to `min_ngram`, takes the most recent match of the longest n, and
-proposes the K tokens that followed it as a chain. Where the continuation runs into the
-present, it repeats with the period of the match (a loop "a b c a b" goes on "c a b ...").
-Without any match it proposes the root K times (rejected at once, still exact).
+The draft cache is the token history (slot p holds x_{p+1}, the token of draft pair p); a
+round proposes the K tokens after the most recent earlier occurrence of the longest
+matching suffix n-gram as a chain (`speculative/lookup_chain.py`, which a trained head's
+`lookup_tokens` option uses too).
 
 The proposal is deterministic, so the engine's verifier (`speculative/verify.py`) keeps
 greedy output identical to the target's and sampled output distributed exactly as the
@@ -23,11 +20,11 @@ from typing import Any, ClassVar
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jakiro_jax.drafts.losses import LossSettings
 from jakiro_jax.speculative.drafter import RoundInputs
 from jakiro_jax.models.config import LlamaConfig
+from jakiro_jax.speculative.lookup_chain import chain_tree, lookup_proposal
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import accept
 
@@ -41,43 +38,6 @@ class TokenHistory:
   @property
   def max_len(self) -> int:
     return self.tokens.shape[1]
-
-
-def chain_tree(root: jax.Array, proposal: jax.Array) -> Tree:
-  """root `[B]`, proposal `[B, K]` -> the chain root -> proposal[0] -> ... as a `Tree`."""
-  batch, k = proposal.shape
-  n = k + 1
-  return Tree(
-      tokens=jnp.concatenate([root[:, None], proposal], axis=1).astype(jnp.int32),
-      parent=jnp.broadcast_to(jnp.arange(-1, k, dtype=jnp.int32), (batch, n)),
-      depth=jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n)),
-      ancestor=jnp.broadcast_to(jnp.asarray(np.tri(n, dtype=bool)), (batch, n, n)),
-      score=jnp.zeros((batch, n), jnp.float32))
-
-
-def lookup_proposal(history: jax.Array, lengths: jax.Array, num_tokens: int, max_ngram: int,
-                    min_ngram: int) -> jax.Array:
-  """history `[B, S]`, lengths `[B]` -> the K tokens `[B, K]` after the most recent
-  earlier occurrence of the longest matching suffix n-gram (see the module docstring)."""
-  batch, slots = history.shape
-  rows = jnp.arange(batch)
-  position = jnp.arange(slots)[None]  # [1, S]
-  last = lengths - 1  # the root's slot
-  # agree[:, j] after step n: the n tokens ending at slot j equal the n ending at the
-  # root (each n extends the (n-1)-gram match by one token further back).
-  agree = (position < last[:, None])  # an earlier place, not the root itself
-  match_end = jnp.full((batch,), -1, jnp.int32)
-  for n in range(1, max_ngram + 1):
-    query = history[rows, jnp.maximum(last - (n - 1), 0)]  # [B]
-    earlier = jnp.roll(history, n - 1, axis=1)  # earlier[:, j] = history[:, j - n + 1]
-    agree &= (earlier == query[:, None]) & (position >= n - 1) & (lengths[:, None] >= n)
-    if n >= min_ngram:  # a longer match replaces a shorter one
-      found = jnp.max(jnp.where(agree, position, -1), axis=1).astype(jnp.int32)
-      match_end = jnp.where(found >= 0, found, match_end)
-  period = jnp.where(match_end >= 0, last - match_end, 1)  # no match: repeat the root
-  start = jnp.where(match_end >= 0, match_end + 1, last)
-  offsets = jnp.arange(num_tokens)[None] % period[:, None]  # [B, K]
-  return history[rows[:, None], start[:, None] + offsets].astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,12 +16,14 @@ import jax.numpy as jnp
 
 from jakiro_jax.kernels import small_rows
 
-# Query tokens per call up to which the kernel runs (decode steps, small trees' verifies,
-# draft tree levels); wider calls keep XLA's batched dots. SmolLM2's 30 layers over a
-# 1,024-slot cache, 2 cores, kernel / XLA's views (`python -m
-# benchmarks.cache_attention_bench`): 1 token at 100 visible slots 0.79 / 3.38 ms, at 800
-# 4.75 / 12.29; 5 tokens 1.59 / 2.96 and 10.88 / 13.73; 8 tokens at 800 16.07 / 14.85.
-MAX_TOKENS = 8
+# Query tokens per call up to which the kernel runs (decode steps, trees' verifies with a
+# lookup chain, draft tree levels); wider calls keep XLA's batched dots. SmolLM2's 30
+# layers over a 1,024-slot cache, 2 cores, kernel / XLA's views, medians of 9 alternated
+# (`python -m benchmarks.cache_attention_bench --cases=...`): 1 token at 256 visible slots
+# 0.80 / 3.10 ms, at 800 2.66 / 11.06; 5 tokens 1.98 / 5.59 and 6.35 / 11.38; 8 tokens
+# 2.97 / 9.39 and 8.70 / 12.99; 12 tokens 4.23 / 10.69 and 11.59 / 18.66; 16 tokens at 800
+# 14.69 / 19.76.
+MAX_TOKENS = 16
 
 
 def applies(q: jax.Array, k_cache: jax.Array, mask: jax.Array) -> bool:

@@ -205,7 +205,8 @@ ffi::Error SmallRowMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 //
 // q [B, T, K, G, H], caches [L, B, K, S, H] (layer `layer`), mask [B, T, S'] (S' <= S:
 // the first S' slots) -> out [B, T, K, G, H]; all fp32. The G x T query rows of a (batch
-// row, kv head) share one pass over its slots. A row's result is the same sequence of
+// row, kv head) go in a few chunks, each a task with one pass over the slots (two threads
+// share out 3 kv heads evenly; the rows of a chunk share each 8-slot block of keys). A row's result is the same sequence of
 // fp32 operations whatever T, S, S' or the other rows (a score: 8 lanes of FMA over the
 // head dim, a fixed horizontal sum, the tail by FMA; the softmax's sum and the weighted
 // values in increasing slot order), so a verify's attention gives the decode step's bit
@@ -268,20 +269,22 @@ inline __m256 Dots8(const float* q, const float* k, int64_t H) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-// The G x T rows of batch row b, kv head h, in one pass over its keys and one over its
-// values. Slots go in groups of 8 from slot 0, each score computed by `Dots8` (a group
-// that would pass the cache's end is read from a zero-padded copy), each weighted value
-// added in slot order: a row's result is the same bits in every call.
-void AttendHead(const AttentionShape& d, const float* q, const float* keys, const float* values,
-                const bool* mask, float* out, int64_t b, int64_t h, float* scores,
-                float* visible, int64_t* filled, float* padded) {
+// Rows [r0, r1) of the G x T query rows (row r: token r / G, group r % G) of batch row b,
+// kv head h. Scores: slots in groups of 8 from slot 0, each by `Dots8` (a group that would
+// pass the cache's end is read from a zero-padded copy); the weighted values: each output
+// element summed by FMA in increasing slot order from 0, in registers. A row's result is
+// the same bits in every call, whichever rows share its call or task.
+void AttendRows(const AttentionShape& d, const float* q, const float* keys, const float* values,
+                const bool* mask, float* out, int64_t b, int64_t h, int64_t r0, int64_t r1,
+                float* scores, float* visible, int64_t* filled, float* padded) {
   const int64_t H = d.head, G = d.groups, T = d.tokens;
   const int64_t width = (d.seen + 7) / 8 * 8;  // a row's stride in scores / visible
   const float* k_head = keys + (b * d.kv + h) * d.slots * H;
   const float* v_head = values + (b * d.kv + h) * d.slots * H;
   const bool vectors = H % 8 == 0;
+  const int64_t t0 = r0 / G, t1 = (r1 + G - 1) / G;
   int64_t longest = 0;
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const bool* m = mask + (b * T + t) * d.seen;
     int64_t f = d.seen;
     while (f > 0 && !m[f - 1]) --f;
@@ -290,7 +293,8 @@ void AttendHead(const AttentionShape& d, const float* q, const float* keys, cons
     float* vis = visible + t * width;
     for (int64_t s = 0; s < (f + 7) / 8 * 8; ++s) vis[s] = s < f && m[s] ? 1.0f : 0.0f;
   }
-  auto out_row = [&](int64_t t, int64_t g) { return out + (((b * T + t) * d.kv + h) * G + g) * H; };
+  auto q_row = [&](int64_t r) { return q + (((b * T + r / G) * d.kv + h) * G + r % G) * H; };
+  auto out_row = [&](int64_t r) { return out + (((b * T + r / G) * d.kv + h) * G + r % G) * H; };
   const __m256 scale = _mm256_set1_ps(d.scale);
   for (int64_t s0 = 0; s0 < longest; s0 += 8) {
     const float* k = k_head + s0 * H;
@@ -299,53 +303,71 @@ void AttendHead(const AttentionShape& d, const float* q, const float* keys, cons
       std::copy(k, k + (d.slots - s0) * H, padded);
       k = padded;
     }
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = r / G;
       if (s0 >= filled[t]) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qr = q + (((b * T + t) * d.kv + h) * G + g) * H;
-        float* sc = scores + (t * G + g) * width + s0;
-        if (vectors) {
-          _mm256_storeu_ps(sc, _mm256_mul_ps(Dots8(qr, k, H), scale));
-        } else {
-          for (int64_t j = 0; j < 8; ++j)
-            sc[j] = s0 + j < filled[t] ? Dot(qr, k_head + (s0 + j) * H, H) * d.scale : 0.0f;
-        }
+      float* sc = scores + r * width + s0;
+      if (vectors) {
+        _mm256_storeu_ps(sc, _mm256_mul_ps(Dots8(q_row(r), k, H), scale));
+      } else {
+        for (int64_t j = 0; j < 8; ++j)
+          sc[j] = s0 + j < filled[t] ? Dot(q_row(r), k_head + (s0 + j) * H, H) * d.scale : 0.0f;
       }
     }
   }
-  // Weights: e^(score - top) where visible, else exactly 0, summed by slot mod 8, divided.
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t t = r / G, f = filled[t], groups = (f + 7) / 8;
     const float* vis = visible + t * width;
-    const int64_t groups = (filled[t] + 7) / 8;
-    for (int64_t g = 0; g < G; ++g) {
-      float* sc = scores + (t * G + g) * width;
-      std::fill(out_row(t, g), out_row(t, g) + H, 0.0f);
-      float top = -INFINITY;
-      for (int64_t s = 0; s < filled[t]; ++s)
-        if (vis[s] != 0.0f) top = std::max(top, sc[s]);
-      __m256 sum = _mm256_setzero_ps();
-      const __m256 top_v = _mm256_set1_ps(top);
-      for (int64_t c = 0; c < groups; ++c) {
-        const __m256 seen_here = _mm256_cmp_ps(_mm256_loadu_ps(vis + c * 8),
-                                               _mm256_setzero_ps(), _CMP_NEQ_OQ);
-        const __m256 x = _mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + c * 8), top_v),
-                                       _mm256_setzero_ps());
-        const __m256 e = _mm256_and_ps(seen_here, ExpNonPositive(x));
-        _mm256_storeu_ps(sc + c * 8, e);
-        sum = _mm256_add_ps(sum, e);
-      }
-      const __m256 total = _mm256_set1_ps(HorizontalSum(sum));
-      for (int64_t c = 0; c < groups; ++c)
-        _mm256_storeu_ps(sc + c * 8, _mm256_div_ps(_mm256_loadu_ps(sc + c * 8), total));
+    float* sc = scores + r * width;
+    float* o = out_row(r);
+    std::fill(o, o + H, 0.0f);
+    if (f == 0) continue;
+    // Weights: e^(score - top) where visible, else exactly 0, summed by slot mod 8, divided.
+    // (The top is a max: the same whatever order it is taken in.)
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < groups; ++c) {
+      const __m256 seen_here = _mm256_cmp_ps(_mm256_loadu_ps(vis + c * 8),
+                                             _mm256_setzero_ps(), _CMP_NEQ_OQ);
+      top8 = _mm256_max_ps(top8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                                  _mm256_loadu_ps(sc + c * 8), seen_here));
     }
-  }
-  // out += weight x value, slot by slot in order; each value row read once for all rows.
-  for (int64_t s = 0; s < longest; ++s) {
-    const float* v = v_head + s * H;
-    for (int64_t t = 0; t < T; ++t) {
-      if (s >= filled[t] || visible[t * width + s] == 0.0f) continue;
-      for (int64_t g = 0; g < G; ++g)
-        Axpy(scores[(t * G + g) * width + s], v, out_row(t, g), H);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top8);
+    float top = -INFINITY;
+    for (int j = 0; j < 8; ++j) top = std::max(top, lanes[j]);
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 top_v = _mm256_set1_ps(top);
+    for (int64_t c = 0; c < groups; ++c) {
+      const __m256 seen_here = _mm256_cmp_ps(_mm256_loadu_ps(vis + c * 8),
+                                             _mm256_setzero_ps(), _CMP_NEQ_OQ);
+      const __m256 x = _mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + c * 8), top_v),
+                                     _mm256_setzero_ps());
+      const __m256 e = _mm256_and_ps(seen_here, ExpNonPositive(x));
+      _mm256_storeu_ps(sc + c * 8, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    const __m256 total = _mm256_set1_ps(HorizontalSum(sum));
+    for (int64_t c = 0; c < groups; ++c)
+      _mm256_storeu_ps(sc + c * 8, _mm256_div_ps(_mm256_loadu_ps(sc + c * 8), total));
+    // out = sum over visible slots in order of weight x value: 64 columns at a time in
+    // registers (the same FMAs, in the same order, as adding into memory slot by slot).
+    int64_t col = 0;
+    if (vectors) {
+      for (; col + 64 <= H; col += 64) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < f; ++s) {
+          if (vis[s] == 0.0f) continue;
+          const __m256 p = _mm256_set1_ps(sc[s]);
+          const float* v = v_head + s * H + col;
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+        }
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + col + 8 * i, acc[i]);
+      }
+    }
+    if (col < H) {
+      for (int64_t s = 0; s < f; ++s)
+        if (vis[s] != 0.0f) Axpy(sc[s], v_head + s * H + col, o + col, H - col);
     }
   }
 }
@@ -386,14 +408,23 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const float* qp = q.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  const int64_t units = d.batch * d.kv;
-  // Past about 10^5 multiply-adds a (batch row, kv head) pair is a task of its own.
-  const int64_t work = units * d.tokens * d.groups * d.seen * d.head;
+  const int64_t units = d.batch * d.kv, rows = d.tokens * d.groups;
+  // Past about 10^5 multiply-adds a (batch row, kv head) pair is worth a thread; its rows
+  // split into chunks so that two threads share out few kv heads evenly (a row's result
+  // does not depend on which rows share its task).
+  const int64_t work = units * rows * d.seen * d.head;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  ParallelFor(pool, units, work < (int64_t{1} << 17) ? 1 : threads, [=] {
-    return [=, scratch = std::make_shared<Scratch>(d)](int64_t u) {
-      AttendHead(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, scratch->scores.get(),
-                 scratch->visible.get(), scratch->filled.get(), scratch->padded.get());
+  const int64_t tasks = work < (int64_t{1} << 17) ? 1 : threads;
+  const int64_t chunks = tasks == 1 ? 1 : std::min<int64_t>(rows, (2 * tasks + units - 1) / units);
+  const int64_t per = (rows + chunks - 1) / chunks;
+  ParallelFor(pool, units * chunks, tasks, [=] {
+    return [=, scratch = std::make_shared<Scratch>(d)](int64_t i) {
+      const int64_t u = i / chunks, c = i % chunks;
+      const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
+      if (r0 >= r1) return;
+      AttendRows(d, qp, keys, values, mp, op, u / d.kv, u % d.kv, r0, r1,
+                 scratch->scores.get(), scratch->visible.get(), scratch->filled.get(),
+                 scratch->padded.get());
     };
   });
   return ffi::Error::Success();

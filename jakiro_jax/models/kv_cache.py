@@ -10,7 +10,8 @@ XLA's GPU programs transposed the whole stacked cache around every multi-token w
 New tokens are always written at slots `lengths[b] + t` (t = 0..T-1); `lengths` only
 moves when the caller commits tokens. RoPE positions are passed separately, so tree
 siblings can share a position while owning distinct slots. A cache filled by a token-pruned
-prefill also records per layer which prompt slots were skipped (`skipped`).
+prefill also records per layer which prompt slots were skipped (`skipped`); a draft cache
+whose head also proposes prompt-lookup candidates keeps the committed tokens (`history`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class KVCache:
   # [L, B, S] bool or None: slots a layer never computed (a token-pruned prefill,
   # `prune.prefill.pruned_target_prefill`); attention at that layer never reads them.
   skipped: jax.Array | None = None
+  # [B, S] int32 or None: the committed tokens, slot p holding the token of pair p (a
+  # draft cache that also proposes prompt-lookup candidates, `lookup_tokens`).
+  history: jax.Array | None = None
 
   @classmethod
   def init(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int,

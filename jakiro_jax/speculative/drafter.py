@@ -91,6 +91,24 @@ def training_feature_layers_of(drafter) -> tuple[int, ...]:
   return feature_layers_of(drafter) if layers is None else tuple(layers)
 
 
+def lookup_tokens(drafter) -> int:
+  """Prompt-lookup nodes a drafter's round verifies beside its drafted tree (its
+  `lookup_tokens` option; 0 for drafters without one)."""
+  return int(getattr(drafter, "lookup_tokens", 0) or 0)
+
+
+def verified_nodes(drafter) -> int:
+  """Nodes of a round's verify forward, root included: the drafted tree's
+  `total_tokens` and the lookup chain's nodes."""
+  return drafter.tree.total_tokens + lookup_tokens(drafter)
+
+
+def round_max_path(drafter) -> int:
+  """Nodes on a round's longest root-to-leaf path, root included (what a round can
+  commit): the drafted tree's or the lookup chain's."""
+  return max(drafter.tree.max_path, lookup_tokens(drafter) + 1)
+
+
 def feature_width(drafter, config: LlamaConfig) -> int:
   """The last axis of the target features a drafter reads."""
   return config.hidden_size * max(1, len(feature_layers_of(drafter)))

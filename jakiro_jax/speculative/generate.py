@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jakiro_jax.compile_cache import kept_call
-from jakiro_jax.speculative.drafter import RoundInputs, TargetHead, feature_layers_of
+from jakiro_jax.speculative.drafter import (RoundInputs, TargetHead, feature_layers_of,
+                                            lookup_tokens, round_max_path, verified_nodes)
+from jakiro_jax.speculative.lookup_chain import LOOKUP_MAX_NGRAM, lookup_proposal, with_chain
 from jakiro_jax.models.kv_cache import KVCache, causal_mask, tree_mask
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.llama import Llama, new_cache
@@ -85,8 +87,13 @@ def draft_tree(drafter, draft_params, head, carried_root, root, cache,
     return out, new.replace(lengths=context)
 
   rng = jax.random.PRNGKey(0) if rng is None else rng
-  return drafter.draft(RoundInputs(draft_params, head, carried_root, root, cache,
-                                   run_forward, sampling, rng))
+  tree, new_cache = drafter.draft(RoundInputs(draft_params, head, carried_root, root, cache,
+                                              run_forward, sampling, rng))
+  if lookup_tokens(drafter):
+    with jax.named_scope("lookup_chain"):
+      tree = with_chain(tree, lookup_proposal(cache.history, cache.lengths,
+                                              lookup_tokens(drafter), LOOKUP_MAX_NGRAM, 1))
+  return tree, new_cache
 
 
 def verify_tree(model: Llama, target_params, drafter, tree: Tree, cache: KVCache,
@@ -138,7 +145,7 @@ def _round(s: SpecState, target_params, draft_params, budgets, rng, head, *, tar
     head = drafting_head(target_config, target_params, drafter)
   batch = s.root.shape[0]
   rows = jnp.arange(batch)
-  max_path = drafter.tree.max_path
+  max_path = round_max_path(drafter)
   round_rng = jax.random.fold_in(rng, s.rounds + 1)
   with jax.named_scope("draft_tree"):
     tree, draft_cache = draft_tree(drafter, draft_params, head, s.draft_hidden, s.root,
@@ -324,7 +331,7 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
     raise ValueError(f"a custom prefill returns the final norm's features only; the "
                      f"{drafter.name} drafter reads target layers "
                      f"{list(feature_layers_of(drafter))}")
-  target_extra = drafter.tree.total_tokens
+  target_extra = verified_nodes(drafter)
   draft_extra = drafter.extra_cache_slots()
   chunks = None if prefill_fn is not None else prefill_chunks()
   batch = prepare_batch(target.config, prompts, max_new_tokens, max_len,

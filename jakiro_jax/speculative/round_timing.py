@@ -16,7 +16,7 @@ import numpy as np
 from jakiro_jax.models.kv_cache import causal_mask
 from jakiro_jax.models.llama import Llama, new_cache
 from jakiro_jax.speculative.batching import cache_class
-from jakiro_jax.speculative.drafter import feature_layers_of, feature_width
+from jakiro_jax.speculative.drafter import feature_layers_of, feature_width, round_max_path
 from jakiro_jax.speculative.generate import (check_draft_fits, draft_context, draft_tree,
                                              drafting_head, verify_tree)
 from jakiro_jax.speculative.sampling import SamplingConfig
@@ -144,7 +144,7 @@ ROUND_PART_STATIC = ("target_config", "drafter", "sampling")
 def _draft_part(draft_params, head, cache, lengths, *, target_config, drafter, sampling):
   """A round's drafting: the context forward over `max_path` pairs, then the tree:
   (tree, the draft cache)."""
-  width = drafter.tree.max_path
+  width = round_max_path(drafter)
   tokens = jnp.ones((1, width), jnp.int32)
   features = jnp.zeros((1, width, feature_width(drafter, target_config)),
                        target_config.dtype)
