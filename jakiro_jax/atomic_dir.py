@@ -21,9 +21,10 @@ import json
 import os
 import shutil
 import socket
+import time
 import uuid
 
-from jakiro_jax.integrity import RECORD, apply_umask, write_record
+from jakiro_jax.integrity import LOCK_FILE, RECORD, apply_umask, write_record
 
 MANIFEST = RECORD  # the files an export wrote and their sha256: --overwrite knows them
 
@@ -236,3 +237,72 @@ def write_json(path: str | os.PathLike, record, indent: int | None = 1) -> None:
   with open(tmp, "w") as f:
     json.dump(record, f, indent=indent)
   os.replace(tmp, path)
+
+
+
+class FolderLocked(RuntimeError):
+  """Another live process writes the folder (its lock file names it)."""
+
+
+@contextlib.contextmanager
+def output_lock(out_dir: str | os.PathLike, what: str = "this command"):
+  """One writer per output folder: `out_dir/.jakiro_jax.lock` holds the holder's host,
+  pid and start time while the body runs. A second writer is refused (`FolderLocked`,
+  one line naming the holder) before it writes anything; a lock whose process is gone
+  (this host, pid dead or reused since) is taken over."""
+  out_dir = os.fspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, LOCK_FILE)
+  mine = {"host": socket.gethostname(), "host_tag": _host_tag(), "pid": os.getpid(),
+          "started": time.time(), "what": what}
+  for _ in range(3):
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      holder = _read_lock(path)
+      if holder is not None and _holder_alive(holder, path):
+        raise FolderLocked(
+            f"{out_dir} is being written by {holder.get('what', 'another command')} (pid "
+            f"{holder.get('pid')} on {holder.get('host')}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('started', 0)))}"
+            f"); wait for it or use another output folder") from None
+      try:  # its holder is gone: take it over
+        os.remove(path)
+      except FileNotFoundError:
+        pass
+      continue
+    with os.fdopen(fd, "w") as f:
+      json.dump(mine, f)
+    break
+  else:
+    raise FolderLocked(f"{out_dir}: could not take its lock {path}")
+  try:
+    yield
+  finally:
+    if (_read_lock(path) or {}).get("pid") == mine["pid"]:
+      os.remove(path)
+
+
+def _read_lock(path: str) -> dict | None:
+  try:
+    with open(path) as f:
+      holder = json.load(f)
+  except (OSError, ValueError):
+    return None  # half written or unreadable: its writer died before finishing it
+  return holder if isinstance(holder, dict) else None
+
+
+def _holder_alive(holder: dict, path: str) -> bool:
+  """Whether the lock's holder may still run: another host's always (it cannot be
+  asked); this host's if its pid is alive and started before the lock was written."""
+  if holder.get("host_tag") != _host_tag():
+    return True
+  pid = holder.get("pid")
+  if not isinstance(pid, int):
+    return False
+  try:
+    written = os.path.getmtime(path)
+  except OSError:
+    return False
+  return _alive(pid) and not _started_after(pid, written)
+

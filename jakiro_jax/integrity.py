@@ -8,7 +8,9 @@ loader calls `verify_dir` first: a file that differs from the record, or that th
 lists and is gone, is refused in one line naming it, instead of loading as wrong numbers
 or wrong settings. A directory without a record (made elsewhere, or before records
 existed) loads with a warning naming it; `write_record(DIR)` gives one to a directory a
-person vouches for. Weights that hold NaN or Inf are refused by name whatever their
+person vouches for. A record lists plain relative names inside its directory: one that
+names an absolute path, a `..`, a link leading out or anything but a regular file is
+refused as damaged before any listed file is opened. Weights that hold NaN or Inf are refused by name whatever their
 source (`allow_nonfinite` to load them anyway, e.g. to inspect a diverged run). Files
 written keep the user's umask.
 """
@@ -25,6 +27,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 RECORD = ".jakiro_jax_files.json"  # {relative path: sha256} of every other file of its dir
+LOCK_FILE = ".jakiro_jax.lock"  # `atomic_dir.output_lock`'s, never part of a record
 _CHUNK = 1 << 22
 
 
@@ -60,7 +63,7 @@ def files_under(directory: str | os.PathLike) -> list[str]:
   directory = os.fspath(directory)
   found = sorted(os.path.relpath(os.path.join(root, name), directory)
                  for root, _, names in os.walk(directory) for name in names)
-  return [f for f in found if f not in (RECORD, RECORD + ".tmp")]
+  return [f for f in found if f not in (RECORD, RECORD + ".tmp", LOCK_FILE)]
 
 
 def read_record(directory: str | os.PathLike) -> dict[str, str] | None:
@@ -81,7 +84,31 @@ def read_record(directory: str | os.PathLike) -> dict[str, str] | None:
       isinstance(k, str) and isinstance(v, str) for k, v in record.items()):
     raise ValueError(f"{path} is damaged (not a map of file name to sha256); write the "
                      f"directory again")
+  for name in sorted(record):
+    check_confined(directory, name, path)
   return record
+
+
+def check_confined(directory: str | os.PathLike, name: str, record: str) -> None:
+  """ValueError unless `name` (a file a record lists) is a plain relative path inside
+  `directory`: no absolute path, no `..`, no link that leads out of it, nothing but a
+  regular file there. Checked before any listed file is opened, so a hostile record can
+  neither make a load read (and hash) files elsewhere nor block on a pipe."""
+  directory = os.fspath(directory)
+  parts = name.replace("\\", "/").split("/")
+  if (not name or os.path.isabs(name) or name != os.path.normpath(name)
+      or any(p in ("", ".", "..") for p in parts)):
+    raise ValueError(f"{record} is damaged: it lists {name!r}, which is not a plain "
+                     f"relative path inside {directory}; write the directory again")
+  path = os.path.join(directory, name)
+  if os.path.lexists(path):
+    root = os.path.realpath(directory)
+    if os.path.commonpath([root, os.path.realpath(path)]) != root:
+      raise ValueError(f"{record} is damaged: it lists {name!r}, a link that leads out "
+                       f"of {directory}; write the directory again")
+    if not os.path.isfile(path):
+      raise ValueError(f"{record} is damaged: it lists {name!r}, which is not a regular "
+                       f"file; write the directory again")
 
 
 def _write_record(directory: str, record: Mapping[str, str]) -> None:
@@ -124,6 +151,8 @@ def verify_dir(directory: str | os.PathLike, names: Iterable[str] | None = None,
   check_digests(directory, listed, os.path.join(directory, RECORD))
   older = {n: d for n, d in (legacy or {}).items()
            if n not in listed and (names is None or n in names)}
+  for name in sorted(older):
+    check_confined(directory, name, legacy_file)
   check_digests(directory, older, legacy_file)
   checked = set(listed) | set(older)
   unchecked = [n for n in (files_under(directory) if names is None else names)

@@ -513,6 +513,11 @@ def tune_tree(target, method: str, draft: str | None = None, *,
     row = grid[index].to_json()
     width = verified_nodes(candidate)
     tau = None if prior is None else prior.get(drafter_digest(candidate))
+    if tau is not None and tau > round_max_path(candidate):  # edited: calibrate instead
+      logging.warning("ignoring the tuning prior's tau %.3g for %s: a round of this tree "
+                      "yields at most %d tokens; calibrating it", tau,
+                      grid[index].label(), round_max_path(candidate))
+      tau = None
     if tau is not None:
       row.update(tau=tau, tau_source="prior")
       if prune:

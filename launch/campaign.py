@@ -84,6 +84,8 @@ def main(argv):
   questions = question_files(_QUESTIONS_DIR.value)
   target_name = str(config.target)
   out = _OUT.value
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise app.UsageError(f"--out={out} is a file, not a folder")
   print(f"loading target {target_name} (for the streams each method trains on) ...",
         file=sys.stderr)
   from jakiro_jax.target import load_target
@@ -96,14 +98,26 @@ def main(argv):
     for step in steps:
       print(f"# {step.name}\n{shlex.join(step.command)}")
     return
-  os.makedirs(out, exist_ok=True)
+  from jakiro_jax.atomic_dir import FolderLocked, output_lock
+  try:
+    with output_lock(out, "launch.campaign"):
+      run_campaign(out, steps, methods, target_name, sizes, config_file)
+  except FolderLocked as e:
+    raise app.UsageError(str(e)) from None
+
+
+def run_campaign(out, steps, methods, target_name, sizes, config_file) -> None:
+  """The steps not done before, then results.json (under the folder's lock)."""
   state = load_state(out)
   wanted = {"scale": _SCALE.value, "sizes": sizes, "methods": methods,
             "config": config_file, "prompts": _PROMPTS.value, "warm_start": _WARM_START.value,
             "compare_shipped": _COMPARE.value}
   if state.get("settings") not in (None, wanted):
-    raise app.UsageError(f"{out} holds a campaign with other settings "
-                         f"({state['settings']}); use a new --out")
+    if any(r.get("done") for r in state.get("steps", {}).values()):
+      raise app.UsageError(f"{out} holds a campaign with other settings "
+                           f"({state['settings']}); use a new --out")
+    print(f"campaign: {out} recorded other settings but finished no step: they are "
+          f"replaced", file=sys.stderr)
   state["settings"] = wanted
   save_state(out, state)
   deadline = None if not _TIME_BUDGET.value else time.monotonic() + _TIME_BUDGET.value

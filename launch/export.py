@@ -75,9 +75,9 @@ def export_draft(draft: str, target_source: str, method: str, out: str, dtype: s
   if drafter.name != method:
     raise ValueError(f"draft {draft} is a {drafter.name} draft; pass --format={drafter.name}")
   layout = layout_of(drafter)
-  missing = [f for f in layout.formats if formats and f not in formats]
-  if missing:
-    print(f"warning: the original {method} loader reads only {', '.join(layout.formats)}",
+  reads = layout.loader_reads or layout.formats
+  if formats and not set(formats) & set(reads):
+    print(f"warning: the original {method} loader reads only {', '.join(reads)}",
           file=sys.stderr)
   embedding = None
   if with_embedding or layout.embedding_required:
@@ -121,6 +121,9 @@ def main(argv):
     raise app.UsageError(f"--format={_FORMAT.value} has no --variant={_VARIANT.value}; "
                          f"available: {', '.join(variants) or 'none'}")
   formats = [f for f, flag in (("bin", _BIN), ("safetensors", _SAFETENSORS)) if flag.value]
+  if _BIN.value is False and _SAFETENSORS.value is False:
+    raise app.UsageError("--nobin --nosafetensors leaves no weight file to write; keep "
+                         "--bin or --safetensors")
   paths = export_draft(_DRAFT.value, _TARGET.value, _FORMAT.value, _OUT.value,
                        _DTYPE.value, formats or None, _WITH_EMBEDDING.value,
                        _OVERWRITE.value, _FORCE.value, _VARIANT.value)

@@ -188,12 +188,17 @@ def main(argv):
                                    feature_layers=_feature_layers(config, target.config))
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  meta = make_feature_set(
-      target, prompts, _OUT.value, settings, records, self_prompts=_SELF_PROMPTS.value,
-      extra_meta={**extra_meta, "target_source": str(config.target),
-                  "prompts_file": os.path.basename(_PROMPTS.value),
-                  "excluded_files": [os.path.basename(p) for p in _EXCLUDE.value]},
-      max_shards=_MAX_SHARDS.value, excluded=excluded)
+  from jakiro_jax.atomic_dir import FolderLocked, output_lock
+  try:
+    with output_lock(_OUT.value, "launch.gen_data"):  # one writer per feature set
+      meta = make_feature_set(
+          target, prompts, _OUT.value, settings, records, self_prompts=_SELF_PROMPTS.value,
+          extra_meta={**extra_meta, "target_source": str(config.target),
+                      "prompts_file": os.path.basename(_PROMPTS.value),
+                      "excluded_files": [os.path.basename(p) for p in _EXCLUDE.value]},
+          max_shards=_MAX_SHARDS.value, excluded=excluded)
+  except FolderLocked as e:
+    raise app.UsageError(str(e)) from None
   totals = summarize(_OUT.value)
   layers = meta.get("feature_layers")
   print(f"feature set in {_OUT.value} ("

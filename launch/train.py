@@ -54,9 +54,19 @@ def main(argv):
   config = _CONFIG.value
   if _METHOD.value:
     config = with_method(config, _METHOD.value)
-  result = train(config, _DATA.value, _OUT.value, resume=_RESUME.value,
-                 max_steps=_MAX_STEPS.value)
+  import contextlib
+
   import jax
+  from jakiro_jax.atomic_dir import FolderLocked, output_lock
+  # One writer per --out (the hosts of one multi-host run share theirs).
+  lock = (output_lock(_OUT.value, "launch.train") if jax.process_count() == 1
+          else contextlib.nullcontext())
+  try:
+    with lock:
+      result = train(config, _DATA.value, _OUT.value, resume=_RESUME.value,
+                     max_steps=_MAX_STEPS.value)
+  except FolderLocked as e:
+    raise app.UsageError(str(e)) from None
   if jax.process_index() == 0:  # the one that wrote the draft (several hosts)
     print(f"trained {result.step} steps; draft in {result.out_dir}/draft", flush=True)
 

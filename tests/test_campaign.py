@@ -72,6 +72,13 @@ def test_bad_sizes_are_refused_in_one_line():
     campaign.scale_settings("tiny", ["promts=3"])
   with pytest.raises(ValueError, match="prompts takes a int"):
     campaign.scale_settings("tiny", ["prompts=many"])
+  for change, error in [("eval_new_tokens=-1", "eval_new_tokens=-1: it must be a number >= 1"),
+                        ("prompts=-5", "prompts=-5: it must be a number >= 1"),
+                        ("max_len=8", "max_len=8: it must be a number >= 16"),
+                        ("train_epochs=nan", "train_epochs=nan: it must be"),
+                        ("temperatures=0,hot", "temperatures=0,hot: a comma-separated")]:
+    with pytest.raises(ValueError, match=error):
+      campaign.scale_settings("tiny", [change])
 
 
 def test_drafts_are_copied_in_files_of_at_most_the_limit(tmp_path, tiny_pair):
@@ -145,6 +152,15 @@ def test_the_command_line_names_bad_input(tmp_path):
   out = _campaign(f"--prompts={prompts}", f"--questions_dir={tmp_path / 'empty'}",
                   f"--out={tmp_path / 'c'}", "--methods=eagle2")
   assert out.returncode != 0 and "holds no .jsonl files" in out.stderr
+  (tmp_path / "q.jsonl").write_text('{"turns": ["hi"]}\n')
+  (tmp_path / "a_file").write_text("")
+  out = _campaign(f"--prompts={prompts}", f"--questions_dir={tmp_path}",
+                  f"--out={tmp_path / 'a_file'}", "--methods=eagle2", "--dry_run")
+  assert out.returncode == 2 and "--out=" in out.stderr and "is a file" in out.stderr
+  out = _campaign(f"--prompts={prompts}", f"--questions_dir={tmp_path}",
+                  f"--out={tmp_path / 'c'}", "--methods=eagle2", "--set=eval_new_tokens=-1")
+  assert out.returncode == 2 and "eval_new_tokens=-1: it must be a number >= 1" in out.stderr
+  assert not (tmp_path / "c").exists()  # refused before anything was written
 
 
 @pytest.mark.slow  # minutes: every launcher loads the target and compiles

@@ -51,6 +51,50 @@ def test_load_errors(tmp_path, tiny_pair):
     load_draft(tmp_path, target)
 
 
+@pytest.mark.parametrize("change,error", [
+    (lambda meta: 7, "draft.json holds a JSON int, not an object"),
+    (lambda meta: [meta], "draft.json holds a JSON list, not an object"),
+    (lambda meta: dict(meta, tree=None), "draft.json: field 'tree' must be a dict, got None"),
+    (lambda meta: dict(meta, tree=dict(meta["tree"], top_k="4")),
+     "draft.json: tree: field 'top_k' must be a int, got '4'"),
+    (lambda meta: dict(meta, tree=dict(meta["tree"], width=3)), "field 'tree' has no 'width'"),
+    (lambda meta: dict(meta, options=[1]), "field 'options' must be a dict"),
+    (lambda meta: {k: v for k, v in meta.items() if k != "method"}, "no field 'method'"),
+])
+def test_json_of_the_wrong_shape_is_one_error_naming_the_file_and_field(tmp_path, tiny_pair,
+                                                                        change, error):
+  _, target = tiny_pair
+  drafter = make_drafter("eagle2", target.config)
+  save_draft(tmp_path, drafter, drafter.init_params(jax.random.PRNGKey(0)))
+  meta = json.loads((tmp_path / "draft.json").read_text())
+  (tmp_path / "draft.json").write_text(json.dumps(change(meta)))
+  write_record(tmp_path)  # written so: the fields themselves are checked
+  with pytest.raises(ValueError, match=error):
+    load_draft(tmp_path, target)
+
+
+def test_an_index_or_config_of_the_wrong_shape_names_its_file(tmp_path, tiny_pair):
+  from jakiro_jax.models.config import load_hf_config
+  from jakiro_jax.models.convert import INDEX, write_hf_dir
+  _, target = tiny_pair
+  drafter = make_drafter("eagle2", target.config)
+  save_draft(tmp_path / "d", drafter, drafter.init_params(jax.random.PRNGKey(0)))
+  (tmp_path / "d" / INDEX).write_text("[]")
+  with pytest.raises(ValueError, match=f"{INDEX} holds a JSON list, not an object"):
+    load_draft(tmp_path / "d", target)
+  (tmp_path / "d" / INDEX).write_text('{"weight_map": [1]}')
+  with pytest.raises(ValueError, match="field 'weight_map' must be a dict"):
+    load_draft(tmp_path / "d", target)
+  write_hf_dir(target.config, target.params, tmp_path / "t")
+  config = json.loads((tmp_path / "t" / "config.json").read_text())
+  (tmp_path / "t" / "config.json").write_text(json.dumps([config]))
+  with pytest.raises(ValueError, match="config.json holds a JSON list"):
+    load_hf_config(tmp_path / "t")
+  (tmp_path / "t" / "config.json").write_text(json.dumps(dict(config, hidden_size="wide")))
+  with pytest.raises(ValueError, match="config.json: "):
+    load_hf_config(tmp_path / "t")
+
+
 def test_load_refuses_weights_of_another_shape(tmp_path, tiny_pair):
   _, target = tiny_pair
   drafter = make_drafter("eagle2", target.config)

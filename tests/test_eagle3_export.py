@@ -263,6 +263,27 @@ def test_speculators_and_specforge_checkpoints_name_the_same_layers(tmp_path, de
   assert read_reference_dir(tmp_path / "explicit", "eagle3", deep_target, TREE)[0] == d
 
 
+def test_the_drafts_own_rms_norm_eps_is_imported_and_exported(tmp_path, deep_target):
+  state = _hand_built_state()
+  config = _specforge_config()
+  assert config["rms_norm_eps"] == deep_target.config.rms_norm_eps == 1e-5
+  _write(tmp_path / "same", state, config)
+  same, _ = read_reference_dir(tmp_path / "same", "eagle3", deep_target, TREE)
+  assert same.rms_norm_eps is None and same.layer_config.rms_norm_eps == 1e-5
+  _write(tmp_path / "own", state, dict(config, rms_norm_eps=1e-6))
+  own, params = read_reference_dir(tmp_path / "own", "eagle3", deep_target, TREE)
+  assert own.rms_norm_eps == 1e-6 and own.layer_config.rms_norm_eps == 1e-6
+  del config["rms_norm_eps"]  # the official code's LlamaConfig default then
+  _write(tmp_path / "absent", state, config)
+  absent, _ = read_reference_dir(tmp_path / "absent", "eagle3", deep_target, TREE)
+  assert absent.rms_norm_eps == 1e-6
+  write_reference_dir(tmp_path / "out", own, params)
+  assert json.loads((tmp_path / "out" / "config.json").read_text())["rms_norm_eps"] == 1e-6
+  _write(tmp_path / "bad", state, dict(config, rms_norm_eps="small"))
+  with pytest.raises(ValueError, match="rms_norm_eps must be a number in \\(0, 1\\)"):
+    read_reference_dir(tmp_path / "bad", "eagle3", deep_target, TREE)
+
+
 def test_ambiguous_layer_ids_need_a_convention(tmp_path, deep_target):
   state = _hand_built_state()
   config = _specforge_config()

@@ -352,6 +352,36 @@ def test_corrupt_or_truncated_files(tmp_path, target, drafts, fmt):
     read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
 
 
+def test_an_import_refuses_nan_before_writing_anything(tmp_path, target, drafts):
+  drafter, params = drafts["eagle2"]
+  poisoned = jax.tree.map(lambda x: x, params)
+  weight = np.array(poisoned["params"]["fc"])
+  weight[0, 0] = np.nan
+  poisoned["params"]["fc"] = weight
+  write_reference_dir(tmp_path / "src", drafter, poisoned, formats=["safetensors"])
+  from jakiro_jax.models.convert import write_hf_dir
+  from launch.import_draft import import_draft
+  write_hf_dir(target.config, target.params, tmp_path / "target")
+  with pytest.raises(ValueError, match="tensor fc.weight holds 1 NaN/Inf values"):
+    import_draft(str(tmp_path / "src"), "eagle2", str(tmp_path / "target"),
+                 str(tmp_path / "out"))
+  assert not (tmp_path / "out").exists()
+  drafter2, got = read_reference_dir(tmp_path / "src", "eagle2", target, TREES["eagle2"],
+                                     allow_nonfinite=True)  # to inspect a diverged run
+  assert np.isnan(np.asarray(got["params"]["fc"])).sum() == 1
+
+
+def test_an_export_with_no_weight_file_is_refused(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.export", "--format=eagle2", "--draft=smollm2-eagle2",
+       f"--out={tmp_path / 'x'}", "--nobin", "--nosafetensors"],
+      capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "--nobin --nosafetensors leaves no weight file" in proc.stderr
+  assert not (tmp_path / "x").exists()
+
+
 def test_wrong_method_and_wrong_names(tmp_path, target, drafts):
   drafter, params = drafts["jakiro"]
   write_reference_dir(tmp_path / "j", drafter, params, _embedding(target), formats=["bin"])

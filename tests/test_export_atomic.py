@@ -471,3 +471,35 @@ def test_an_export_raced_at_the_swap_names_the_flag_of_its_caller(tmp_path, targ
     with write_all(tmp_path / "lib"):
       (tmp_path / "lib").mkdir()
       (tmp_path / "lib" / "x").write_text("x")
+
+
+def test_one_writer_per_output_folder(tmp_path):
+  """A second writer is refused in one line naming the holder, before it writes; the
+  lock goes with its holder; a lock whose process is gone is taken over."""
+  import json
+  import subprocess
+  from jakiro_jax.atomic_dir import FolderLocked, _host_tag, output_lock
+  from jakiro_jax.integrity import LOCK_FILE, write_record
+  out = tmp_path / "run"
+  with output_lock(out, "launch.campaign"):
+    assert (out / LOCK_FILE).is_file()
+    (out / "a.json").write_text("{}")
+    assert set(write_record(out)) == {"a.json"}  # never part of a record
+    with pytest.raises(FolderLocked, match=f"{out} is being written by launch.campaign "
+                       f"\\(pid {os.getpid()} on "):
+      with output_lock(out, "launch.train"):
+        raise AssertionError("the second writer ran")
+    assert (out / LOCK_FILE).is_file()  # the refused one left the holder's lock
+  assert not (out / LOCK_FILE).exists()
+  gone = subprocess.Popen(["true"])
+  gone.wait()
+  (out / LOCK_FILE).write_text(json.dumps({"host_tag": _host_tag(), "pid": gone.pid,
+                                           "host": "here", "started": 0,
+                                           "what": "a killed campaign"}))
+  with output_lock(out, "launch.campaign"):
+    assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()
+  (out / LOCK_FILE).write_text("{half")  # a writer killed while writing its lock
+  with output_lock(out):
+    pass
+  assert sorted(os.listdir(out)) == [".jakiro_jax_files.json", "a.json"]
+

@@ -82,6 +82,30 @@ def test_verify_dir_names_damaged_missing_and_unrecorded_files(tmp_path, caplog)
     verify_dir(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["/etc/hostname", "../../../../etc/hostname",
+                                  "sub/../../outside.bin", "./a.json", "sub//b.bin",
+                                  "link_out", "pipe"])
+def test_a_record_naming_anything_outside_its_folder_is_refused_unread(tmp_path, name,
+                                                                       monkeypatch):
+  folder = tmp_path / "folder"
+  (folder / "sub").mkdir(parents=True)
+  (folder / "a.json").write_text("{}")
+  (folder / "sub" / "b.bin").write_bytes(b"\x00" * 8)
+  (tmp_path / "outside.bin").write_bytes(b"\x01" * 8)
+  os.symlink(tmp_path / "outside.bin", folder / "link_out")
+  os.mkfifo(folder / "pipe")  # opening it would block the load
+  os.symlink("a.json", folder / "link_in")  # a link inside the folder is fine
+  record = {"a.json": "0" * 64, "link_in": "0" * 64, name: "0" * 64}
+  (folder / RECORD).write_text(json.dumps(record))
+  opened = []
+  monkeypatch.setattr("jakiro_jax.integrity.sha256_of", lambda path: opened.append(path))
+  with pytest.raises(ValueError, match="is damaged: it lists") as e:
+    verify_dir(folder)
+  assert repr(name) in str(e.value) and opened == []
+  with pytest.raises(ValueError, match="is damaged: it lists"):
+    read_record(folder)
+
+
 @pytest.mark.parametrize("record", ["missing", "empty", "names only"])
 def test_no_record_loads_with_a_warning_naming_the_directory(tmp_path, caplog, record):
   (tmp_path / "a.json").write_text("{}")
@@ -294,6 +318,26 @@ def test_router_without_a_record_loads_with_a_warning(tmp_path, caplog):
   _edit_json(path, lambda r: r["router"].update(b2=[1.5]))
   with pytest.raises(ValueError, match="router file .* is damaged: its params differ"):
     load_router(str(path))
+
+
+@pytest.mark.parametrize("schedule,error", [
+    ([0.0, 1.5, 0.3, 0.3], "sparsity of block 1 is 1.5; it must lie in \\[0, 1\\)"),
+    ([0.0, float("nan"), 0.3, 0.3], "sparsity of block 1 is nan"),
+    ([0.0, 0.3, 0.3], "sparsity schedule has 3 entries, the model has 4 layers"),
+    ("0.3", "'schedule' is not a list")])
+def test_schedules_are_checked_without_a_record(tmp_path, schedule, error):
+  from jakiro_jax.prune.pipeline import read_schedule
+  from jakiro_jax.prune.routers import init_router
+  from jakiro_jax.prune.train_router import load_router, save_router
+  path = tmp_path / "router.json"
+  save_router(str(path), init_router(0), [0.0, 0.3, 0.3, 0.3])
+  os.remove(tmp_path / RECORD)
+  _edit_json(path, lambda r: r.update(schedule=schedule))
+  (tmp_path / "schedule.json").write_text(json.dumps({"schedule": schedule}))
+  with pytest.raises(ValueError, match=f"{path}: {error}"):
+    load_router(str(path), num_layers=4)
+  with pytest.raises(ValueError, match=f"schedule.json: {error}"):
+    read_schedule(str(tmp_path), 4)
 
 
 def test_a_searched_schedule_is_covered(tmp_path):

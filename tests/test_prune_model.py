@@ -105,7 +105,12 @@ def test_keep_everything_is_the_dense_model():
                      cache=new_pruned_cache(config, 2, 12), route=keep)
   np.testing.assert_allclose(out.logits, logits, atol=1e-6, rtol=1e-6)
   np.testing.assert_allclose(out.features, features, atol=1e-6, rtol=1e-6)
-  np.testing.assert_array_equal(out.cache.k[:, :, :, :9], dense_cache.k[:, :, :, :9])
+  # Layer 0's keys are the same bits; later layers' follow attention outputs that the
+  # dense forward computes with the CPU attention kernel (up to 16 query tokens) and the
+  # pruned one with its masked expression: within float rounding.
+  np.testing.assert_array_equal(out.cache.k[0, :, :, :9], dense_cache.k[0, :, :, :9])
+  np.testing.assert_allclose(out.cache.k[:, :, :, :9], dense_cache.k[:, :, :, :9],
+                             atol=1e-6, rtol=1e-6)
   assert bool(out.cache.valid[:, :, :9].all()) and not bool(out.cache.valid[:, :, 9:].any())
   # every query's probabilities sum to 1: the received column sums total the query count
   np.testing.assert_allclose(out.cache.received.sum(-1), 9.0, rtol=1e-5)

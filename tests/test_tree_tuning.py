@@ -390,6 +390,33 @@ def test_a_corrupt_or_stale_prior_is_ignored_with_a_warning(saved_draft, tmp_pat
   assert expected in warned[0]
 
 
+def test_a_prior_tau_no_tree_can_reach_is_calibrated(saved_draft, tmp_path,
+                                                     monkeypatch, caplog):
+  from jakiro_jax.integrity import RECORD
+  target, drafter, params, directory = saved_draft
+  prior = tree_tuning.write_prior(target, "eagle2", directory, loaded=(drafter, params),
+                                  grid=PRIOR_GRID, prompts=PRIOR_PROMPTS, max_new_tokens=8,
+                                  progress=False)
+  prior["candidates"][1]["tau"] = 9.25  # edited, and its entry in the record dropped
+  with open(os.path.join(directory, tree_tuning.PRIOR_FILE), "w") as f:
+    json.dump(prior, f)
+  record_path = os.path.join(directory, RECORD)
+  with open(record_path) as f:
+    record = json.load(f)
+  del record[tree_tuning.PRIOR_FILE]
+  with open(record_path, "w") as f:
+    json.dump(record, f)
+  calls = []
+  monkeypatch.setattr(tree_tuning, "generate", _fake_generate(calls))
+  monkeypatch.setattr(tree_tuning, "ar_step_ms", lambda *a: 1e6)
+  with caplog.at_level("WARNING"):
+    result = _tune(target, directory, (drafter, params), tmp_path, prune=False)
+  assert calls == [PRIOR_GRID[1].tree]
+  assert [row["tau_source"] for row in result.candidates] == ["prior", "calibration"]
+  assert any("tau 9.25" in r.getMessage() and "yields at most" in r.getMessage()
+             for r in caplog.records)
+
+
 def test_write_prior_needs_a_weight_digest(tiny_pair, tmp_path):
   _, target = tiny_pair
   drafter = Eagle2Drafter(target.config, TreeConfig(1, 1, 3))

@@ -136,6 +136,9 @@ class Eagle3Drafter(Eagle2Drafter):
   features: str = "fused"
   aux_layers: tuple[int, ...] = ()
   rope_theta: float = 10000.0
+  # The draft layer's RMSNorm epsilon, as its checkpoint's config says (None = the
+  # target's): the official code builds the draft's norms from the draft config.
+  rms_norm_eps: float | None = None
   fc_norm: bool = False
   norm_before_residual: bool = False
   norm_output: bool = False
@@ -156,7 +159,8 @@ class Eagle3Drafter(Eagle2Drafter):
 
   @property
   def layer_config(self) -> LlamaConfig:
-    return super().layer_config.replace(rope_theta=float(self.rope_theta), rope_scaling=None)
+    cfg = super().layer_config.replace(rope_theta=float(self.rope_theta), rope_scaling=None)
+    return cfg if self.rms_norm_eps is None else cfg.replace(rms_norm_eps=float(self.rms_norm_eps))
 
   @property
   def draft_vocab_size(self) -> int:

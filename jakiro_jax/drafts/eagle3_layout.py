@@ -353,10 +353,14 @@ def read_config(state: Mapping, config: Mapping, target_cfg, options: dict, tree
   if get("norm_before_fc"):
     raise ValueError(f"{config_path}: norm_before_fc (one norm over the fused streams) is "
                      f"not supported by this eagle3 drafter")
+  # The draft's norms take the draft config's epsilon, 1e-6 where it has none (the
+  # official code's LlamaConfig default); the target's is kept only where they agree.
   eps = layer.get("rms_norm_eps")
-  if eps is not None and not np.isclose(float(eps), target_cfg.rms_norm_eps):
-    log.warning("%s has rms_norm_eps=%s; the imported draft uses the target's %s",
-                config_path, eps, target_cfg.rms_norm_eps)
+  eps = 1e-6 if eps is None else eps
+  if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+    raise ValueError(f"{config_path}: rms_norm_eps must be a number in (0, 1), got {eps!r}")
+  if float(eps) != target_cfg.rms_norm_eps:
+    options.setdefault("rms_norm_eps", float(eps))
   if layer.get("rope_scaling"):
     log.warning("%s has rope_scaling=%s; this eagle3 drafter runs its RoPE unscaled (base "
                 "rope_theta): acceptance may differ from the engine it was trained for",
@@ -432,6 +436,8 @@ def torch_layout(method: str):
   return tl.TorchLayout(
       shapes=reference_shapes, to_reference=to_reference, from_reference=from_reference,
       recognizes=recognizes, guess_priority=3, formats=("safetensors",),
+      # EaModel.from_pretrained tries pytorch_model.bin first, then model.safetensors
+      loader_reads=("bin", "safetensors"),
       normalize_keys=normalize_keys, write_config=write_config,
       read_config=functools.partial(read_config, method=method),
       variants={"speculators": to_speculators}, stores_draft_vocab=True,

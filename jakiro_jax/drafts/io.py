@@ -19,7 +19,7 @@ import numpy as np
 
 from jakiro_jax.drafts.registry import (get, has_params, inference_options, make_drafter,
                                         option_fields, tree_and_options)
-from jakiro_jax.models.config import read_json
+from jakiro_jax.models.config import json_field, read_json
 from jakiro_jax.speculative.tree import TreeConfig
 from jakiro_jax.atomic_dir import atomic_dir, check_destination
 from jakiro_jax.integrity import check_finite, verify_dir
@@ -93,6 +93,19 @@ def save_draft(out_dir, drafter, params, dtype: str | None = None,
       json.dump(meta, f, indent=2)
 
 
+def tree_from_json(fields: dict, path) -> TreeConfig:
+  """A `TreeConfig` from a JSON object of integer fields; ValueError naming the file and
+  the field otherwise."""
+  known = {f.name for f in dataclasses.fields(TreeConfig)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ValueError(f"{path}: field 'tree' has no {', '.join(map(repr, unknown))}; it takes "
+                     f"{', '.join(sorted(known))}")
+  for name in sorted(fields):
+    json_field(fields, name, int, f"{path}: tree")
+  return TreeConfig(**fields)
+
+
 def load_draft(source, target, tree: TreeConfig | None = None,
                overrides: dict | None = None, allow_nonfinite: bool = False):
   """Returns `(drafter, params)` for a draft directory (or a shipped draft's name).
@@ -111,7 +124,7 @@ def load_draft(source, target, tree: TreeConfig | None = None,
   names = list(DRAFT_FILES)
   index_path = os.path.join(source, INDEX)
   if os.path.isfile(index_path):  # sharded: the index and every file it names
-    weight_map = read_json(index_path, "").get("weight_map", {})
+    weight_map = json_field(read_json(index_path, ""), "weight_map", dict, index_path, {})
     names = ["draft.json", INDEX, *sorted(set(weight_map.values()))]
   verify_dir(source, names, _older_digests(meta_path), meta_path)
   meta = read_json(meta_path, f"{source} is not a draft directory (no draft.json)")
@@ -121,17 +134,20 @@ def load_draft(source, target, tree: TreeConfig | None = None,
       raise ValueError(f"draft {source} was built for {field}={meta.get(field)}, "
                        f"the target has {ours}")
   if tree is None and "choices" not in (overrides or {}):  # a static tree follows its choices
-    tree = TreeConfig(**meta.get("tree", {}))
+    tree = tree_from_json(json_field(meta, "tree", dict, meta_path, {}), meta_path)
   options = {k: tuple(v) if isinstance(v, list) else v  # JSON lists back to hashable tuples
-             for k, v in meta.get("options", {}).items()}
+             for k, v in json_field(meta, "options", dict, meta_path, {}).items()}
   options.update(overrides or {})
-  drafter = make_drafter(meta["method"], target.config, tree, **options)
+  method = json_field(meta, "method", str, meta_path)
+  if method is None:
+    raise ValueError(f"{meta_path}: no field 'method'")
+  drafter = make_drafter(method, target.config, tree, **options)
   flat = read_safetensors_dir(source)
   expected = _flatten(jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0)))
   wrong = sorted(set(expected) ^ set(flat)) + sorted(
       k for k in set(expected) & set(flat) if tuple(expected[k].shape) != flat[k].shape)
   if wrong:
-    raise ValueError(f"draft {source} does not fit a {meta['method']} draft of this target: "
+    raise ValueError(f"draft {source} does not fit a {method} draft of this target: "
                      f"missing, unexpected or mis-shaped parameters {wrong[:8]}")
   check_finite(flat, f"draft {source}", allow_nonfinite)
   params = jax.tree.map(lambda a: jax.numpy.asarray(a, target.config.dtype), _unflatten(flat))

@@ -155,6 +155,9 @@ class TorchLayout:
   guess_priority: int = 0  # layouts that recognize more specific names are asked first
   embedding_required: bool = False  # the original loader is strict about embed_tokens
   formats: tuple[str, ...] = ("safetensors",)  # what the original reads without extras
+  # Every weight file the original loader reads (() = `formats`): an export of another
+  # kind is warned about.
+  loader_reads: tuple[str, ...] = ()
   config_extras: Callable[[Any], dict] = _no_extras  # more config.json fields it reads
   fc_bias_always: bool = False  # the original always builds fc with a bias
   reference_rope_theta: float | None = None  # the original ignores the target's

@@ -22,7 +22,7 @@ from jakiro_jax.drafts import registry
 import jakiro_jax.drafts.torch_layout as tl
 from jakiro_jax.models.config import read_json
 from jakiro_jax.atomic_dir import atomic_dir, check_destination
-from jakiro_jax.integrity import verify_dir
+from jakiro_jax.integrity import check_finite, verify_dir
 from jakiro_jax.models.convert import _load_safetensors_any_dtype
 
 log = logging.getLogger(__name__)
@@ -266,14 +266,16 @@ def _check_config(config: Mapping, cfg, path: str, rope_theta: float | None = No
                 cfg.rms_norm_eps)
 
 
-def read_reference_dir(src_dir, method: str, target, tree=None, **options):
+def read_reference_dir(src_dir, method: str, target, tree=None, allow_nonfinite: bool = False,
+                       **options):
   """A reference draft directory -> `(drafter, params)` for `target`.
 
   Checks the directory against its integrity record first (one written elsewhere, without
   a record, is read with a warning naming it). Validates config.json against the target
   and the weight names and shapes against the drafter (unknown, missing or mis-shaped keys
-  are a ValueError listing them). The stored `embed_tokens.weight` is checked against the
-  target's and dropped. `options`: drafter options that replace what the checkpoint says,
+  are a ValueError listing them), and weights holding NaN or Inf are refused by name, as
+  `load_draft` would refuse them (`allow_nonfinite`). The stored `embed_tokens.weight` is
+  checked against the target's and dropped. `options`: drafter options that replace what the checkpoint says,
   and the layout's `import_options` (eagle3: `layer_id_convention`, see
   `drafts/eagle3_layout.py`).
   """
@@ -287,6 +289,7 @@ def read_reference_dir(src_dir, method: str, target, tree=None, **options):
   config = read_json(config_path, f"{src_dir} is not a draft directory (no config.json)")
   state, path = read_state_dict(src_dir, layout.weight_files)
   state = layout.normalize_keys(state)
+  check_finite(state, f"draft {path}", allow_nonfinite)
   found = registry.guess_method(state)
   if found is not None and found != method:
     raise ValueError(f"{path} is a {found} checkpoint, not {method} (pass --format={found})")

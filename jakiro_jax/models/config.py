@@ -285,20 +285,44 @@ def _sliding_window(hf: Mapping[str, Any], model_type: str,
 
 
 def read_json(path: str | os.PathLike, missing_message: str) -> dict:
-  """A JSON file's contents; FileNotFoundError(missing_message) or ValueError if invalid."""
+  """A JSON object file's contents; FileNotFoundError(missing_message), or ValueError
+  naming the file if it is not valid JSON or not an object."""
   if not os.path.isfile(path):
     raise FileNotFoundError(missing_message)
   with open(path) as f:
     try:
-      return json.load(f)
+      value = json.load(f)
     except json.JSONDecodeError as e:
       raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except UnicodeDecodeError:
+      raise ValueError(f"{path} is not valid JSON (not UTF-8 text)") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object")
+  return value
+
+
+def json_field(data: dict, field: str, kind: type | tuple, path, default=None):
+  """`data[field]` if it has the JSON type `kind` (`default` if absent), else a ValueError
+  naming the file and the field (bool is not taken for int)."""
+  if field not in data:
+    return default
+  value = data[field]
+  kinds = kind if isinstance(kind, tuple) else (kind,)
+  if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+    names = " or ".join(k.__name__ for k in kinds)
+    raise ValueError(f"{path}: field {field!r} must be a {names}, got {value!r}")
+  return value
 
 
 def load_hf_config(model_dir: str | os.PathLike, dtype: str = "float32") -> LlamaConfig:
-  hf = read_json(os.path.join(model_dir, "config.json"),
-                 f"no config.json in model directory {model_dir}")
-  return config_from_hf(hf, dtype)
+  path = os.path.join(model_dir, "config.json")
+  hf = read_json(path, f"no config.json in model directory {model_dir}")
+  try:
+    return config_from_hf(hf, dtype)
+  except ValueError as e:
+    raise ValueError(f"{path}: {e}") from None
+  except (TypeError, KeyError, AttributeError) as e:  # a field of the wrong type, or none
+    raise ValueError(f"{path}: not a usable model config ({type(e).__name__}: {e})") from None
 
 
 def rope_inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:

@@ -297,16 +297,18 @@ def paired_mc(rows: dict) -> dict:
           for i, a in enumerate(labels) for b in labels[i + 1:]}
 
 
-def read_schedule(out_dir) -> tuple:
+def read_schedule(out_dir, num_layers: int | None = None) -> tuple:
   path = os.path.join(out_dir, "schedule.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no searched schedule {path}: run --mode=search first")
   integrity.verify_dir(out_dir, ["schedule.json"])
   try:
     with open(path) as f:
-      return tuple(json.load(f)["schedule"])
-  except (ValueError, KeyError):
+      schedule = json.load(f)["schedule"]
+  except (ValueError, KeyError, TypeError):
     raise ValueError(f"{path} is corrupt (no 'schedule')") from None
+  from jakiro_jax.prune.schedule import checked_schedule
+  return checked_schedule(schedule, num_layers, path)
 
 
 def router_settings(config):
@@ -326,6 +328,7 @@ def run_train(config, out_dir, paths) -> None:
 
   schedule = read_schedule(out_dir)
   target = target_of(config)
+  schedule = read_schedule(out_dir, target.config.num_layers)  # one per block of it
   r = config.router
   inputs = r.get("inputs", "factors")
   heldout_rows = r.get("heldout_rows", 0)
@@ -398,6 +401,7 @@ def run_fit(config, out_dir, paths) -> dict:
 
   schedule = read_schedule(out_dir)
   target = target_of(config)
+  schedule = read_schedule(out_dir, target.config.num_layers)  # one per block of it
   f = config.fit
   rows = _calibration(target, config, paths, f.rows, f.length, config.seed + 2)
   start = time.time()
@@ -535,6 +539,10 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
                          f"{source} {budget:.4f}")
   target = target_of(config)
   tc = target.config
+  from jakiro_jax.prune.schedule import checked_schedule
+  checked_schedule(schedule, tc.num_layers, source)  # one sparsity per block of this model
+  for v in own.values():
+    checked_schedule(v[1], tc.num_layers, v[3])
   for where, r in ((f"{source} router", router),
                    *((v[3], v[0]) for v in own.values())):
     if r is not None:  # a clear error for a router of another model's hidden size

@@ -30,6 +30,17 @@ def check_schedule(schedule: Sequence[float], num_layers: int) -> tuple[float, .
   return values
 
 
+def checked_schedule(schedule, num_layers: int | None, path: str) -> tuple[float, ...]:
+  """`check_schedule` (values in [0, 1), one per block when `num_layers` is
+  given) whether or not the file it came from had an integrity record; errors name it."""
+  if not isinstance(schedule, (list, tuple)):
+    raise ValueError(f"{path}: 'schedule' is not a list of sparsities")
+  try:
+    return check_schedule(schedule, len(schedule) if num_layers is None else num_layers)
+  except ValueError as e:
+    raise ValueError(f"{path}: {e}") from None
+
+
 def keep_count(sparsity: float, length: int) -> int:
   """Tokens a block keeps out of `length`: `ceil((1 - s) * length)`, at least 1 (0 for an
   empty sequence)."""

@@ -100,7 +100,7 @@ from jakiro_jax.prune import evaluate as ev
 from jakiro_jax.prune import model as pm
 from jakiro_jax.prune import routers
 from jakiro_jax.prune.cache import new_pruned_cache
-from jakiro_jax.prune.schedule import check_schedule, mean_sparsity
+from jakiro_jax.prune.schedule import check_schedule, checked_schedule, mean_sparsity
 
 ROUTER_FILE = "router.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -475,11 +475,12 @@ def _router_digest(router_json) -> str:
   return hashlib.sha256(json.dumps(router_json, sort_keys=True).encode()).hexdigest()
 
 
-def load_router(path: str, allow_nonfinite: bool = False
+def load_router(path: str, allow_nonfinite: bool = False, num_layers: int | None = None
                 ) -> tuple[dict, tuple[float, ...], dict]:
   """(router params, schedule, the whole record) of a `router.json` (or its directory);
-  a file that differs from its directory's integrity record (`integrity.verify_dir`), or
-  params that hold NaN/Inf, are refused."""
+  a file that differs from its directory's integrity record (`integrity.verify_dir`),
+  params that hold NaN/Inf, or a schedule with a value outside [0, 1) (or not one per
+  block of a `num_layers` model) are refused, with or without a record."""
   if os.path.isdir(path):
     path = os.path.join(path, ROUTER_FILE)
   if not os.path.isfile(path):
@@ -491,7 +492,7 @@ def load_router(path: str, allow_nonfinite: bool = False
       record = json.load(f)
   except ValueError:
     raise ValueError(f"router file {path} is corrupt (not JSON)") from None
-  if "router" not in record or "schedule" not in record:
+  if not isinstance(record, dict) or "router" not in record or "schedule" not in record:
     raise ValueError(f"router file {path} lacks 'router' or 'schedule'")
   saved = record.get("router_sha256")  # an older router without a record: its params
   if not checked and saved is not None and saved != _router_digest(record["router"]):
@@ -500,7 +501,7 @@ def load_router(path: str, allow_nonfinite: bool = False
   router = router_from_json(record["router"])
   check_finite({k: np.asarray(v) for k, v in router.items()}, f"router {path}",
                allow_nonfinite)
-  return router, tuple(float(s) for s in record["schedule"]), record
+  return router, checked_schedule(record["schedule"], num_layers, path), record
 
 
 # ------------------------------------------------------------------- fitted linear

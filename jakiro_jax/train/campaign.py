@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 import shlex
 import signal
@@ -66,7 +67,36 @@ def scale_settings(scale: str, changes) -> dict:
       sizes[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
     except ValueError:
       raise ValueError(f"--set {key} takes a {kind.__name__}, got {value!r}") from None
+  check_sizes(sizes)
   return sizes
+
+
+# The least each size may be (checked before anything is written: a value the steps would
+# refuse hours later, in the evaluation, is refused here).
+_AT_LEAST = dict(prompts=1, max_per_source=0, self_prompts=0, samples=0, max_new_tokens=1,
+                 max_len=16, batch_size=1, shard_size=1, train_steps=0, train_epochs=0.0,
+                 eval_questions=1, eval_new_tokens=1)
+
+
+def check_sizes(sizes: dict) -> None:
+  """ValueError naming the first size out of range (`_AT_LEAST`, finite epochs, a training
+  length in steps or epochs, temperatures a list of numbers >= 0)."""
+  for key, least in _AT_LEAST.items():
+    value = sizes[key]
+    if not (math.isfinite(value) and value >= least):
+      raise ValueError(f"--set {key}={value}: it must be a number >= {least}")
+  if sizes["train_steps"] == 0 and sizes["train_epochs"] <= 0:
+    raise ValueError("--set train_steps=0 needs train_epochs > 0 (a training length)")
+  if sizes["max_len"] <= sizes["max_new_tokens"]:
+    raise ValueError(f"--set max_len={sizes['max_len']} must exceed max_new_tokens="
+                     f"{sizes['max_new_tokens']} (room for the prompt)")
+  try:
+    temperatures = [float(t) for t in str(sizes["temperatures"]).split(",")]
+  except ValueError:
+    temperatures = [-1.0]
+  if not all(math.isfinite(t) and t >= 0 for t in temperatures):
+    raise ValueError(f"--set temperatures={sizes['temperatures']}: a comma-separated list "
+                     f"of numbers >= 0")
 
 
 def train_config_path(config: str, method: str) -> str:
