@@ -10,9 +10,9 @@ or wrong settings. A directory without a record (made elsewhere, or before recor
 existed) loads with a warning naming it; `write_record(DIR)` gives one to a directory a
 person vouches for. A record lists plain relative names inside its directory: one that
 names an absolute path, a `..`, a link leading out or anything but a regular file is
-refused as damaged before any listed file is opened. Weights that hold NaN or Inf are refused by name whatever their
-source (`allow_nonfinite` to load them anyway, e.g. to inspect a diverged run). Files
-written keep the user's umask.
+refused as damaged before any listed file is opened. Weights that hold NaN or Inf are
+refused by name whatever their source (`allow_nonfinite` to load them anyway, e.g. to
+inspect a diverged run). Files written keep the user's umask.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ it in the same process, so the speedups of one table share their baseline. Each 
 written as `OUT/<category>_T<temperature>_<method>.json` in `launch.bench`'s format (an
 existing file is kept: a rerun continues where a previous one stopped, and the methods it
 adds are measured against a new AR run, which `OUT/summary.md` marks), and
-`OUT/summary.md` tabulates them. `python -m launch.plot_results --results=OUT` draws them.
+`OUT/summary.md` tabulates them. `python -m launch.probes.plot_results --results=OUT` draws them.
 """
 
 from __future__ import annotations

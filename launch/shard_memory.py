@@ -36,8 +36,14 @@ def main(argv):
   from jakiro_jax.sharding import parse_mesh_flag
   sizes = parse_mesh_flag(_MESH.value)
   if _HF_CONFIG.value:
-    with open(_HF_CONFIG.value) as f:
-      hf = json.load(f)
+    from jakiro_jax.models.config import read_json
+    hf = read_json(_HF_CONFIG.value, f"--hf_config: no such file {_HF_CONFIG.value}")
+    from jakiro_jax.models.config import config_from_hf
+    try:
+      config_from_hf(hf, _DTYPE.value)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+      raise ValueError(f"{_HF_CONFIG.value}: not a usable model config "
+                       f"({type(e).__name__}: {e})") from None
   else:
     hf = PRESETS[_PRESET.value]
   want = math.prod(s for s in sizes if s > 0)

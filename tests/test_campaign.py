@@ -163,6 +163,28 @@ def test_the_command_line_names_bad_input(tmp_path):
   assert not (tmp_path / "c").exists()  # refused before anything was written
 
 
+def test_a_second_campaign_into_a_busy_folder_is_refused_in_one_line(tmp_path):
+  out = tmp_path / "c"
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time\n"
+       "from jakiro_jax.atomic_dir import output_lock\n"
+       f"with output_lock({str(out)!r}, 'launch.campaign'):\n"
+       "  print('held', flush=True); time.sleep(120)\n"],
+      cwd=REPO, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    (tmp_path / "q.jsonl").write_text('{"turns": ["hi"]}\n')
+    proc = _campaign(f"--prompts={_prompts(tmp_path)}", f"--questions_dir={tmp_path}",
+                     f"--out={out}", "--methods=eagle2", "--scale=tiny")
+  finally:
+    holder.kill()
+    holder.wait()
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  [line] = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+  assert f"{out} is being written by launch.campaign (pid {holder.pid} on " in line
+  assert sorted(os.listdir(out)) == [".jakiro_jax.lock"]  # nothing else written
+
+
 @pytest.mark.slow  # minutes: every launcher loads the target and compiles
 def test_a_tiny_campaign_runs_end_to_end_and_resumes(tmp_path):
   questions = tmp_path / "eval"

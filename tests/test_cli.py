@@ -43,12 +43,12 @@ def error_lines(proc):
                          "--out=/tmp/x"], "--prompts: no such file nope.jsonl"),
     ("launch.train", ["--config=configs/smollm2_135m_eagle2.py", "--data=nope",
                       "--out={questions}.run"], "feature set directory nope does not exist"),
-    ("launch.prune_generate_bench", [f"--questions={QUESTIONS}", "--json_out=/tmp/x.json",
+    ("launch.probes.prune_generate_bench", [f"--questions={QUESTIONS}", "--json_out=/tmp/x.json",
                                      "--schedules=dense,uniform:0.3@ends:0"],
      "'uniform:0.3@ends:0': the window after @ends: must be a whole number >= 1"),
     ("launch.prune", ["--mode=rank", "--schedules=uniform", "--random_schedules=0"],
      "it needs at least two (--schedules plus --random_schedules), got 1"),
-    ("launch.xla_flags_probe", ["--out={questions}.run", "--flag_sets=default,nope"],
+    ("launch.probes.xla_flags_probe", ["--out={questions}.run", "--flag_sets=default,nope"],
      "unknown flag set 'nope'"),
 ])
 def test_user_errors_are_one_line(module, args, message, tmp_path):
@@ -74,9 +74,22 @@ def test_a_library_error_is_one_line_and_debug_shows_its_traceback(tmp_path):
 
 
 def _entry_points() -> list[str]:
-  launch = os.path.join(REPO, "launch")
-  return sorted(name[:-3] for name in os.listdir(launch) if name.endswith(".py")
-                and '__name__ == "__main__"' in open(os.path.join(launch, name)).read())
+  """`launch.NAME`'s NAME of every entry point: a user's commands and the probes
+  (`probes.NAME`)."""
+  names = []
+  for sub in ("", "probes"):
+    folder = os.path.join(REPO, "launch", sub)
+    names += [f"{sub}.{name[:-3]}".lstrip(".") for name in os.listdir(folder)
+              if name.endswith(".py")
+              and '__name__ == "__main__"' in open(os.path.join(folder, name)).read()]
+  return sorted(names)
+
+
+def test_the_probes_are_apart_from_a_users_commands():
+  names = _entry_points()
+  probes = {n for n in names if n.startswith("probes.")}
+  assert {"probes.profile_step", "probes.xla_flags_probe", "probes.plot_results"} <= probes
+  assert len(names) - len(probes) <= 16, names  # launch/ keeps the commands a user runs
 
 
 def test_every_command_line_follows_one_convention():
@@ -84,7 +97,7 @@ def test_every_command_line_follows_one_convention():
   names = _entry_points()
   assert len(names) >= 16, names
   for name in names:
-    source = open(os.path.join(REPO, "launch", f"{name}.py")).read()
+    source = open(os.path.join(REPO, "launch", *name.split(".")) + ".py").read()
     assert "cli.run(main)" in source and "app.run(" not in source, name
     assert "sys.exit(" not in source, name  # no exit codes of its own
 

@@ -22,21 +22,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Entry points with a config file: the one each reads where it has no default.
 CONFIGS = {"bench": "configs/smollm2_135m.py", "campaign": None,
-           "compile_bench": "configs/smollm2_135m.py",
+           "probes.compile_bench": "configs/smollm2_135m.py",
            "compile_report": "configs/smollm2_135m.py",
            "device_report": None, "eval_suite": None, "gen_data": None, "generate": None,
-           "profile_round": None, "profile_step": None, "prune": None,
-           "prune_generate_bench": None,
+           "probes.profile_round": None, "probes.profile_step": None, "prune": None,
+           "probes.prune_generate_bench": None,
            "train": "configs/smollm2_135m_eagle2.py"}
 # Entry points with counts or sizes: their integer flags are found and each is tried below
 # its lower bound; here, their list flags of counts ({tmp}: a fresh directory).
-COUNTS = {"bench": [], "campaign": [], "compile_bench": [["--method=eagle2", "--lengths=12,0"]],
+COUNTS = {"bench": [], "campaign": [],
+          "probes.compile_bench": [["--method=eagle2", "--lengths=12,0"]],
           "compile_report": [["--out={tmp}", "--batches=2,0"]],
           "device_report": [["--out={tmp}", "--ar_grid=float32:0:128"]],
           "eval_suite": [], "gen_data": [], "generate": [], "import_draft": [],
-          "profile_round": [["--tree=2,0,5"]],
-          "profile_step": [["--slots=128,0"], ["--tokens=-4"]], "prune": [],
-          "prune_bench_prefill": [], "prune_generate_bench": [], "shard_memory": [],
+          "probes.profile_round": [["--tree=2,0,5"]],
+          "probes.profile_step": [["--slots=128,0"], ["--tokens=-4"]], "prune": [],
+          "probes.prune_bench_prefill": [], "probes.prune_generate_bench": [],
+          "shard_memory": [],
           "train": []}
 SEEDS = {"seed"}  # any integer is a seed
 
@@ -62,7 +64,7 @@ for args in cases:
       signal.alarm(120)  # a mistake that is not refused would run the whole command
       code = 1
       try:
-        sys.argv = [f"launch/{name}.py", *args]
+        sys.argv = [f"launch/{name.replace('.', '/')}.py", *args]
         cli.run(module.main)
         code = 0
       except SystemExit as e:
@@ -98,10 +100,11 @@ def assert_one_line(result: dict, *fragments: str) -> None:
 def test_every_config_flag_is_checked_by_cli():
   # ml_collections' own flag reads a default file at import, out of cli.run's reach.
   launchers = {}
-  for file in os.listdir(os.path.join(REPO, "launch")):
-    if file.endswith(".py") and file != "cli.py":
-      with open(os.path.join(REPO, "launch", file)) as f:
-        launchers[file[:-3]] = f.read()
+  for sub in ("", "probes"):
+    for file in os.listdir(os.path.join(REPO, "launch", sub)):
+      if file.endswith(".py") and file not in ("cli.py", "__init__.py"):
+        with open(os.path.join(REPO, "launch", sub, file)) as f:
+          launchers[f"{sub}.{file[:-3]}".lstrip(".")] = f.read()
   assert not [n for n, source in launchers.items() if "config_flags.DEFINE_config" in source]
   assert {n for n, source in launchers.items() if "cli.define_config_file(" in source} == set(
       CONFIGS)
@@ -155,6 +158,17 @@ def test_zero_or_negative_counts_are_refused_in_one_line(name, tmp_path):
 def test_the_shard_memory_report_of_bad_sizes_names_the_first():
   [result] = run_cases("shard_memory", [["--batch=-2", "--max_len=-5"]])["results"]
   assert_one_line(result, "flag --batch=-2: -2 is not a positive integer")
+
+
+def test_a_shard_memory_config_that_is_not_a_model_config_names_its_file(tmp_path):
+  files = {"bad": "{not json", "list": "[1]", "wrong": '{"hidden_size": "wide"}'}
+  for name, text in files.items():
+    (tmp_path / f"{name}.json").write_text(text)
+  results = run_cases("shard_memory", [[f"--hf_config={tmp_path / name}.json", "--mesh=1,1,1"]
+                                       for name in files])["results"]
+  for name, result, what in zip(files, results, ["is not valid JSON", "holds a JSON list",
+                                                 "not a usable model config"]):
+    assert_one_line(result, f"{tmp_path / name}.json", what)
 
 
 def test_config_files_are_checked_without_running_them(tmp_path):

@@ -68,6 +68,6 @@ def test_eval_suite_shares_the_baseline_and_resumes(tmp_path):
   assert (out / "math_T0_eagle2.json").stat().st_mtime_ns == before  # kept, not rerun
 
   png = tmp_path / "plot.png"
-  subprocess.run([sys.executable, "-m", "launch.plot_results", f"--results={out}",
+  subprocess.run([sys.executable, "-m", "launch.probes.plot_results", f"--results={out}",
                   f"--out={png}"], check=True, capture_output=True, text=True, cwd=REPO)
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -345,8 +345,10 @@ def test_corrupt_or_truncated_files(tmp_path, target, drafts, fmt):
   with pytest.raises(ValueError, match="corrupt or truncated"):
     read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
   (tmp_path / name).write_bytes(b"not a checkpoint at all" * 10)
-  with pytest.raises(ValueError, match="corrupt or truncated"):
+  with pytest.raises(ValueError, match="corrupt or truncated") as e:
     read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
+  assert "\n" not in str(e.value) and "\x1b" not in str(e.value)
+  assert "weights_only" not in str(e.value)  # no advice on loading it unsafely
   os.remove(tmp_path / name)
   with pytest.raises(FileNotFoundError, match="neither"):
     read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
@@ -380,6 +382,25 @@ def test_an_export_with_no_weight_file_is_refused(tmp_path):
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "--nobin --nosafetensors leaves no weight file" in proc.stderr
   assert not (tmp_path / "x").exists()
+
+
+class _RunsCode:
+  def __reduce__(self):
+    return (print, ("this must never run",))
+
+
+def test_a_pickle_holding_code_is_refused_in_one_plain_line(tmp_path, target, drafts, capsys):
+  import torch
+  drafter, params = drafts["eagle2"]
+  write_reference_dir(tmp_path, drafter, params, formats=["bin"])
+  os.remove(tmp_path / RECORD)  # as the original code writes it
+  torch.save({"fc.weight": torch.zeros(2), "x": _RunsCode()}, tmp_path / "pytorch_model.bin")
+  with pytest.raises(ValueError) as e:
+    read_reference_dir(tmp_path, "eagle2", target, TREES["eagle2"])
+  message = str(e.value)
+  assert "holds pickled objects other than tensors" in message and "\n" not in message
+  assert "\x1b" not in message and "weights_only" not in message
+  assert "this must never run" not in capsys.readouterr().out
 
 
 def test_wrong_method_and_wrong_names(tmp_path, target, drafts):

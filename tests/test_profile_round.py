@@ -1,4 +1,4 @@
-"""`launch.profile_round`: the loop's thunks find the round's parts by their named scopes."""
+"""`launch.probes.profile_round`: the loop's thunks find the round's parts by their named scopes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from jakiro_jax.speculative.batching import output_columns, prepare_batch
 from jakiro_jax.speculative.generate import speculative_generate_jit
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import TreeConfig
-from launch import profile_round
+from launch.probes import profile_round
 
 TINY = LlamaConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_layers=2,
                    num_heads=6, num_kv_heads=2, head_dim=12, max_position_embeddings=512)

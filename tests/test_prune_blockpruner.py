@@ -287,7 +287,7 @@ def test_bench_names_an_unknown_baseline():
   import subprocess
   import sys
   root = os.path.dirname(os.path.dirname(__file__))
-  out = subprocess.run([sys.executable, "-m", "launch.prune_bench_prefill",
+  out = subprocess.run([sys.executable, "-m", "launch.probes.prune_bench_prefill",
                         "--baselines=shortgpt,laco"], cwd=root, capture_output=True,
                        text=True, timeout=120)
   assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(

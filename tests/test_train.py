@@ -641,6 +641,30 @@ def test_resume_sets_a_damaged_checkpoint_aside(finished_run, tmp_path, kind):
   assert resumed.step == 8
 
 
+def test_a_damaged_checkpoint_without_a_record_is_reported_once(finished_run, tmp_path,
+                                                                 monkeypatch):
+  """Without a record the damage shows only when orbax reads the array; the reads it
+  abandons then are not reported again as unraisable exceptions ("Event loop is closed")
+  beside the one line, while other unraisable exceptions still are."""
+  import gc
+  from jakiro_jax.integrity import RECORD
+  reported = []
+  monkeypatch.setattr(sys, "unraisablehook", reported.append)
+
+  def truncate_without_record(path):
+    _damage(path, "truncated")
+    os.remove(os.path.join(path, RECORD))
+
+  out, said, _ = _resume_after(finished_run, tmp_path, truncate_without_record)
+  gc.collect()
+  assert said[0].startswith(f"checkpoint 8 in {out / 'checkpoints'} is damaged"), said[:2]
+  assert len(said[0].splitlines()) == 1 and "resumed at step 6" in said[1]
+  assert reported == []
+  other = type("Unraisable", (), {"object": object(), "exc_value": ValueError("x")})()
+  sys.unraisablehook(other)
+  assert reported == [other]
+
+
 @pytest.mark.parametrize("field", ["vocab_subset", "position", "setting"])
 def test_resume_sets_a_checkpoint_with_damaged_meta_aside(finished_run, tmp_path, field):
   """A meta value changed on disk that still decodes (a vocab subset id, the data
@@ -754,3 +778,20 @@ def test_init_draft_starts_the_run_from_a_saved_draft(tiny_target, feature_set, 
       tmp_path / "jakiro")))
   with pytest.raises(TrainInputError, match="is a jakiro draft that does not fit"):
     train(config, data_dir, tmp_path / "run2")
+
+
+@pytest.mark.parametrize("change,error", [
+    (dict(lr=-1.0), "config.lr must be >= 0, got -1.0"),
+    (dict(max_len=4), "config.max_len must be >= 16, got 4"),
+    (dict(b2=1.5), "config.b2 must be in \\[0, 1\\), got 1.5"),
+    (dict(clip=float("nan")), "config.clip must be > 0, got nan"),
+])
+def test_bad_optimiser_numbers_are_refused_before_anything_is_written(tmp_path, change,
+                                                                       error):
+  from jakiro_jax.train.trainer import TrainInputError, default_config
+  config = default_config("eagle2")
+  config.update(change)
+  with pytest.raises(TrainInputError, match=error):
+    train(config, str(tmp_path / "no_data"), tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+

@@ -26,7 +26,7 @@ def test_flag_sets_are_appended_to_the_callers_xla_flags():
 
 def test_probe_measures_in_fresh_processes_records_failures_and_resumes(tmp_path,
                                                                          monkeypatch):
-  monkeypatch.chdir(REPO)  # the workers run `python -m launch.xla_flags_probe`
+  monkeypatch.chdir(REPO)  # the workers run `python -m launch.probes.xla_flags_probe`
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   # XLA refuses an unknown flag when its backend starts: the worker dies, the probe goes on.
   monkeypatch.setitem(xf.FLAG_SETS, "bogus", "--xla_no_such_flag_at_all=1")

@@ -35,7 +35,7 @@ DEFAULT_METHOD = "eagle2"  # what a training config trains unless it says otherw
 # The order in which the main job (`launch.generate` without --method) looks for a draft
 # shipped for the target: the best measured first.
 MAIN_JOB_PREFERENCE = ("jakiro", "gumiho", "eagle2")
-# What the evaluation launchers (`launch.eval_suite`, `launch.prune_generate_bench`) run
+# What the evaluation launchers (`launch.eval_suite`, `launch.probes.prune_generate_bench`) run
 # unless --methods says otherwise.
 EVAL_METHODS = ("eagle2", "jakiro", "gumiho")
 

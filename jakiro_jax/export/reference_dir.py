@@ -12,8 +12,10 @@ bytes as a new draft.
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
+import pickle
+import re
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -222,8 +224,18 @@ def _read_bin(path) -> dict[str, np.ndarray]:
   try:
     loaded = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
-    raise ValueError(f"cannot read {path} (corrupt or truncated?): "
-                     f"{type(e).__name__}: {str(e)[:200]}") from None
+    if isinstance(e, pickle.UnpicklingError) and "Unsupported global" in str(e):
+      raise ValueError(f"{path} holds pickled objects other than tensors (code or other "
+                       f"objects), which are never loaded: a weight file must hold tensors "
+                       f"only") from None
+    # One line: torch's messages span lines, carry terminal escape codes and, for a file
+    # its safe unpickler refuses, advice on loading it unsafely; keep its reason only.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    reason = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    detail = reason.group(1) if reason else (lines[0] if lines else "")
+    raise ValueError(f"cannot read {path} (corrupt or truncated?): {type(e).__name__}: "
+                     f"{detail[:200]}") from None
   if not isinstance(loaded, Mapping):
     raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
   state = {}
@@ -275,9 +287,9 @@ def read_reference_dir(src_dir, method: str, target, tree=None, allow_nonfinite:
   and the weight names and shapes against the drafter (unknown, missing or mis-shaped keys
   are a ValueError listing them), and weights holding NaN or Inf are refused by name, as
   `load_draft` would refuse them (`allow_nonfinite`). The stored `embed_tokens.weight` is
-  checked against the target's and dropped. `options`: drafter options that replace what the checkpoint says,
-  and the layout's `import_options` (eagle3: `layer_id_convention`, see
-  `drafts/eagle3_layout.py`).
+  checked against the target's and dropped. `options`: drafter options that replace what
+  the checkpoint says, and the layout's `import_options` (eagle3: `layer_id_convention`,
+  see `drafts/eagle3_layout.py`).
   """
   layout = registry.get(method).torch_layout
   if layout is None:

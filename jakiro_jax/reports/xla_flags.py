@@ -4,7 +4,7 @@ once, when its backend starts), on random weights of a preset's shape (no downlo
 
 `run_probe` drives the workers and keeps `flags.json` (rewritten after every run, so a
 killed probe keeps what it measured and a rerun continues); `worker` measures one
-(workload, flag set) pair in the current process. `launch.xla_flags_probe` is the CLI.
+(workload, flag set) pair in the current process. `launch.probes.xla_flags_probe` is the CLI.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def _headline(row: Mapping) -> float | None:
 def run_probe(out_dir: str, pairs: Sequence[tuple[str, str]], size: str, *,
               time_budget_s: float | None = None, timeout_s: float = 240.0,
               command: str = "", progress: bool = True) -> dict:
-  """Run each (workload, flag set) in its own `python -m launch.xla_flags_probe --worker`
+  """Run each (workload, flag set) in its own `python -m launch.probes.xla_flags_probe --worker`
   process, keeping `out_dir/flags.json` and `flags.md` current. Pairs measured earlier
   with the same settings on the same device kind are kept; a failed or timed-out worker
   is recorded with its last error line and the probe goes on."""
@@ -207,7 +207,7 @@ def run_probe(out_dir: str, pairs: Sequence[tuple[str, str]], size: str, *,
       report.setdefault("skipped", []).append([workload, flag_set, "time budget spent"])
       continue
     result = os.path.join(out_dir, f".{workload}.{flag_set}.json")
-    cmd = [sys.executable, "-m", "launch.xla_flags_probe", f"--worker={workload}",
+    cmd = [sys.executable, "-m", "launch.probes.xla_flags_probe", f"--worker={workload}",
            f"--flag_set={flag_set}", f"--size={size}", f"--result={result}"]
     if progress:
       print(f"xla_flags_probe: {workload} / {flag_set} ...", file=sys.stderr, flush=True)

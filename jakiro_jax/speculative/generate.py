@@ -131,7 +131,7 @@ def speculative_round(s: SpecState, target_params, draft_params, budgets: jax.Ar
   """One round of the loop: draft a tree, verify it, commit the accepted path, feed the
   draft. budgets `[B]`; `rng` the loop's key (the round folds in its index); `head`
   (`drafting_head`), built once by the loop, else here. Its parts are named scopes
-  (`launch.profile_round` sums a profile's time by them)."""
+  (`launch.probes.profile_round` sums a profile's time by them)."""
   with jax.named_scope("spec_round"):
     return _round(s, target_params, draft_params, budgets, rng, head,
                   target_config=target_config, drafter=drafter,

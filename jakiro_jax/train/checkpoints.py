@@ -21,7 +21,10 @@ metas hold are still checked.
 
 from __future__ import annotations
 
+import gc
+import inspect
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +60,26 @@ def _checksums(state):
 def state_checksums(state) -> list[int]:
   """One checksum per leaf of `state` (in tree order), whatever its sharding."""
   return [int(c) for c in jax.device_get(_checksums(state))]
+
+
+def _quiet_abandoned_reads() -> None:
+  """Once per process: when one array of a restore fails (a damaged checkpoint without a
+  record to catch it first), orbax abandons the other arrays' reads, and Python reported
+  each as it collected it ("Exception ignored in: <coroutine ...>", "Event loop is
+  closed") beside the one line that names the damage. Those reports, and only those, are
+  dropped; every other unraisable exception reaches the hook that was there."""
+  if getattr(sys.unraisablehook, "_drops_abandoned_reads", False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    code = getattr(unraisable.object, "cr_code", None)
+    if (inspect.iscoroutine(unraisable.object) and code is not None
+        and "orbax" in code.co_filename and "read" in code.co_name):
+      return
+    previous(unraisable)
+  hook._drops_abandoned_reads = True
+  sys.unraisablehook = hook
 
 
 class TrainCheckpoints:
@@ -96,8 +119,13 @@ class TrainCheckpoints:
       checked = verify_dir(self.step_dir(step))
     except ValueError as e:
       raise CheckpointDamaged(str(e)) from None
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    _quiet_abandoned_reads()
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    except Exception:
+      gc.collect()  # the abandoned reads go now, through the filter
+      raise
     saved = restored.meta.get("checksums")
     if saved is not None and not checked:
       got = state_checksums(restored.state)

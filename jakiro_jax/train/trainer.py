@@ -79,6 +79,9 @@ from jakiro_jax.train.metrics import acceptance_counts, summarize
 log = logging.getLogger(__name__)
 
 
+MIN_MAX_LEN = 16  # config.max_len below this leaves no row to learn from
+
+
 class TrainInputError(ValueError):
   """A bad config, data set or output directory; the message says what to change."""
 
@@ -324,9 +327,22 @@ def _check_config(config) -> None:
     method_settings.check_method_settings(config)
   except ValueError as e:
     raise TrainInputError(str(e)) from None
-  for name in ("batch_size", "max_len", "log_every", "save_every"):
+  for name in ("batch_size", "log_every", "save_every"):
     if config[name] < 1:
       raise TrainInputError(f"config.{name} must be >= 1, got {config[name]}")
+  if config.max_len < MIN_MAX_LEN:  # a prompt and an answer token at least
+    raise TrainInputError(f"config.max_len must be >= {MIN_MAX_LEN}, got {config.max_len}")
+  # The optimiser's numbers (a negative lr trains away from the data and exits 0).
+  for name, ok, wanted in (("lr", lambda v: v >= 0, ">= 0"),
+                           ("warmup_steps", lambda v: v >= 0, ">= 0"),
+                           ("weight_decay", lambda v: v >= 0, ">= 0"),
+                           ("clip", lambda v: v > 0, "> 0"),
+                           ("end_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
+                           ("b1", lambda v: 0 <= v < 1, "in [0, 1)"),
+                           ("b2", lambda v: 0 <= v < 1, "in [0, 1)")):
+    value = config.get(name)
+    if value is not None and not (math.isfinite(value) and ok(value)):
+      raise TrainInputError(f"config.{name} must be {wanted}, got {value}")
   if config.num_steps < 0 or (config.num_steps == 0 and config.num_epochs <= 0):
     raise TrainInputError("set config.num_steps > 0 or config.num_epochs > 0")
   if config.draft_vocab_size < 0:

@@ -1,6 +1,6 @@
 """Time the AR decode loop and gen_data's passes under XLA flag sets, one process each.
 
-  python -m launch.xla_flags_probe --out=DIR [--size=auto|cpu|full] \
+  python -m launch.probes.xla_flags_probe --out=DIR [--size=auto|cpu|full] \
       [--workloads=ar_smollm2,ar_7b,gen_data] [--flag_sets=default,graph_loops,...] \
       [--time_budget_s=S]
 
@@ -61,7 +61,7 @@ def main(argv):
       p for p in chosen if p not in xf.PRIORITY]
   report = xf.run_probe(_OUT.value, pairs, size, time_budget_s=_BUDGET.value or None,
                         timeout_s=_TIMEOUT.value,
-                        command=shlex.join(["python", "-m", "launch.xla_flags_probe"]
+                        command=shlex.join(["python", "-m", "launch.probes.xla_flags_probe"]
                                            + sys.argv[1:]))
   print(xf.markdown(report))
 

@@ -1,6 +1,6 @@
 """Plot acceptance by depth and tau by category from `launch.eval_suite` results.
 
-  python -m launch.plot_results --results=results/smollm2 --temperature=0 \
+  python -m launch.probes.plot_results --results=results/smollm2 --temperature=0 \
       --out=results/smollm2/acceptance.png
 
 Left: alpha_k per method, the fraction of rounds that accept a k-th drafted token among

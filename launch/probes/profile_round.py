@@ -1,6 +1,6 @@
 """Where a speculative round's time goes inside the jitted loop, against its parts timed apart.
 
-  python -m launch.profile_round --config=configs/smollm2_135m.py --tree=2,2,5 \\
+  python -m launch.probes.profile_round --config=configs/smollm2_135m.py --tree=2,2,5 \\
       --questions=path/to/eval/alpaca.jsonl
 
 For one prompt (the first question, or --prompt) it prints, alternating the programs in one

@@ -1,6 +1,6 @@
 """What a token-pruned prefill does to generation: tau, tokens/s and agreement with dense.
 
-  python -m launch.prune_generate_bench \
+  python -m launch.probes.prune_generate_bench \
       --questions=path/to/eval/sum.jsonl,path/to/eval/gsm8k.jsonl \
       --schedules=dense,smollm2_s30,uniform:0.3 --methods=eagle2,jakiro,gumiho \
       --max_questions=8 --max_new_tokens=64 --json_out=results/ftp_generate.json

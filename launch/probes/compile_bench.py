@@ -1,6 +1,6 @@
 """Compile seconds and programs per prompt length, apart from decode time, in one process.
 
-  python -m launch.compile_bench --config=configs/smollm2_135m.py --method=jakiro \
+  python -m launch.probes.compile_bench --config=configs/smollm2_135m.py --method=jakiro \
       --lengths=12,150,420 --out=compile.json
 
 For each prompt length in turn (a chat prompt of about that many tokens) it runs the

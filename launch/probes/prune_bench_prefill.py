@@ -1,6 +1,6 @@
 """Times dense prefill against token-pruned (gathered) prefill of the target.
 
-  python -m launch.prune_bench_prefill --target=smollm2 --length=2048 --sparsity=0.3 \
+  python -m launch.probes.prune_bench_prefill --target=smollm2 --length=2048 --sparsity=0.3 \
       --repeats=5 --json_out=prune_prefill.json
 
 Random prompts of --length tokens at --batch rows; the pruned prefill runs a uniform
@@ -20,7 +20,7 @@ it; or from --removed_json, a report of this script or of `launch.prune --mode=e
 holding `shortgpt_removed` / `blockpruner_removed`. BlockPruner's search runs ~60
 forwards per removal (minutes on a CPU).
 
-  python -m launch.prune_bench_prefill --length=2048 --schedule_name=smollm2_s30 \
+  python -m launch.probes.prune_bench_prefill --length=2048 --schedule_name=smollm2_s30 \
       --repeats=3 --baselines=shortgpt,blockpruner --calib_prompts=path/to/prompts.jsonl
 """
 

@@ -1,6 +1,6 @@
 """Decode-step profile of the target: step time vs the memory-bandwidth bound.
 
-  python -m launch.profile_step --config=configs/smollm2_135m.py
+  python -m launch.probes.profile_step --config=configs/smollm2_135m.py
 
 Times one jitted, cache-donating decode step (median of 30) at several cache sizes, with and
 without the lm_head, and a single jitted lm_head-sized matvec as the streaming-read
