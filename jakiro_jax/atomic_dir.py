@@ -249,8 +249,14 @@ def output_lock(out_dir: str | os.PathLike, what: str = "this command"):
   """One writer per output folder: `out_dir/.jakiro_jax.lock` holds the holder's host,
   pid and start time while the body runs. A second writer is refused (`FolderLocked`,
   one line naming the holder) before it writes anything; a lock whose process is gone
-  (this host, pid dead or reused since) is taken over."""
+  (this host, pid dead or reused since) is taken over. A folder it made that is still
+  empty when the body ends (a command refused after taking the lock) is removed."""
   out_dir = os.fspath(out_dir)
+  created = []  # the folders made here, deepest first
+  missing = os.path.abspath(out_dir)
+  while not os.path.exists(missing):
+    created.append(missing)
+    missing = os.path.dirname(missing)
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, LOCK_FILE)
   mine = {"host": socket.gethostname(), "host_tag": _host_tag(), "pid": os.getpid(),
@@ -281,6 +287,10 @@ def output_lock(out_dir: str | os.PathLike, what: str = "this command"):
   finally:
     if (_read_lock(path) or {}).get("pid") == mine["pid"]:
       os.remove(path)
+    for folder in created:  # a refused command leaves no folder behind
+      if os.listdir(folder):
+        break
+      os.rmdir(folder)
 
 
 def _read_lock(path: str) -> dict | None:

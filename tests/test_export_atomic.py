@@ -502,4 +502,9 @@ def test_one_writer_per_output_folder(tmp_path):
   with output_lock(out):
     pass
   assert sorted(os.listdir(out)) == [".jakiro_jax_files.json", "a.json"]
+  fresh = tmp_path / "refused" / "run"
+  with pytest.raises(ValueError):
+    with output_lock(fresh):
+      raise ValueError("a setting refused after the lock")
+  assert not (tmp_path / "refused").exists()  # the folders it made are gone again
 
