@@ -28,6 +28,7 @@ from jakiro_jax.drafts.losses import LossSettings, shift_positions
 from jakiro_jax.models.llama import matmul_out_in, project_rows, weight_param
 from jakiro_jax.sharding import whole_features
 from jakiro_jax.speculative.drafter import TargetHead, round_max_path
+from jakiro_jax.speculative.lookup_chain import write_history
 from jakiro_jax.speculative.sampling import SamplingConfig
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import Acceptance, accept
@@ -39,10 +40,7 @@ def record_tokens(cache: KVCache, tokens: jax.Array) -> KVCache:
   the next context forward overwrites and lookups never read."""
   if getattr(cache, "history", None) is None:
     return cache
-  batch, num_new = tokens.shape
-  slots = cache.lengths[:, None] + jnp.arange(num_new)[None]
-  return cache.replace(history=cache.history.at[jnp.arange(batch)[:, None], slots].set(
-      tokens.astype(jnp.int32), mode="drop"))
+  return cache.replace(history=write_history(cache.history, cache.lengths, tokens))
 
 
 def draft_layer_config(target: LlamaConfig, num_layers: int = 1, **changes) -> LlamaConfig:
@@ -221,11 +219,12 @@ class DraftHead:
 
   def check_lookup(self) -> None:
     """A ValueError for a `lookup_tokens` this drafter cannot verify."""
-    if self.lookup_tokens < 0 or (self.lookup_tokens and not self.merges_lookup):
-      raise ValueError(f"lookup_tokens={self.lookup_tokens}: {self.name} drafters take 0"
-                       + ("" if self.merges_lookup else " (their own verification has no "
-                          "place for a lookup chain)") + (" or more" if self.merges_lookup
-                                                          else ""))
+    if self.merges_lookup and self.lookup_tokens < 0:
+      raise ValueError(f"lookup_tokens={self.lookup_tokens}: {self.name} drafters take 0 "
+                       f"or more")
+    if not self.merges_lookup and self.lookup_tokens:
+      raise ValueError(f"lookup_tokens={self.lookup_tokens}: {self.name} drafters take 0 "
+                       f"(their own verification has no place for a lookup chain)")
 
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     """The draft layers' KV cache; with `lookup_tokens`, the committed tokens too."""

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jakiro_jax.drafts.losses import LossSettings
 from jakiro_jax.speculative.drafter import RoundInputs
 from jakiro_jax.models.config import LlamaConfig
-from jakiro_jax.speculative.lookup_chain import chain_tree, lookup_proposal
+from jakiro_jax.speculative.lookup_chain import chain_tree, lookup_proposal, write_history
 from jakiro_jax.speculative.tree import Tree, TreeConfig
 from jakiro_jax.speculative.verify import accept
 
@@ -104,10 +104,8 @@ class LookupDrafter:
 
   def forward(self, params, head, tokens, features, positions, cache: TokenHistory, mask):
     """Writes tokens `[B, T]` at slots lengths + t; the output is empty `[B, T, 0]`."""
-    batch, num_new = tokens.shape
-    slots = cache.lengths[:, None] + jnp.arange(num_new)[None]
-    history = cache.tokens.at[jnp.arange(batch)[:, None], slots].set(tokens, mode="drop")
-    return jnp.zeros((batch, num_new, 0), jnp.float32), cache.replace(tokens=history)
+    history = write_history(cache.tokens, cache.lengths, tokens)
+    return jnp.zeros(tokens.shape + (0,), jnp.float32), cache.replace(tokens=history)
 
   def carry(self, output):
     return output

@@ -13,6 +13,7 @@ import time
 
 from jakiro_jax import integrity
 from jakiro_jax.atomic_dir import write_json
+from jakiro_jax.prune.schedule import checked_schedule
 
 # Methods that run the trained router (DIR/router); the others need only a schedule.
 ROUTER_METHODS = ("ftp_dynamic", "ftp_window")
@@ -307,7 +308,6 @@ def read_schedule(out_dir, num_layers: int | None = None) -> tuple:
       schedule = json.load(f)["schedule"]
   except (ValueError, KeyError, TypeError):
     raise ValueError(f"{path} is corrupt (no 'schedule')") from None
-  from jakiro_jax.prune.schedule import checked_schedule
   return checked_schedule(schedule, num_layers, path)
 
 
@@ -328,7 +328,8 @@ def run_train(config, out_dir, paths) -> None:
 
   schedule = read_schedule(out_dir)
   target = target_of(config)
-  schedule = read_schedule(out_dir, target.config.num_layers)  # one per block of it
+  schedule = checked_schedule(schedule, target.config.num_layers,  # one per block of it
+                              os.path.join(out_dir, "schedule.json"))
   r = config.router
   inputs = r.get("inputs", "factors")
   heldout_rows = r.get("heldout_rows", 0)
@@ -401,7 +402,8 @@ def run_fit(config, out_dir, paths) -> dict:
 
   schedule = read_schedule(out_dir)
   target = target_of(config)
-  schedule = read_schedule(out_dir, target.config.num_layers)  # one per block of it
+  schedule = checked_schedule(schedule, target.config.num_layers,  # one per block of it
+                              os.path.join(out_dir, "schedule.json"))
   f = config.fit
   rows = _calibration(target, config, paths, f.rows, f.length, config.seed + 2)
   start = time.time()
@@ -539,7 +541,6 @@ def run_eval(config, out_dir: str | None, paths: dict, methods, shipped: str = "
                          f"{source} {budget:.4f}")
   target = target_of(config)
   tc = target.config
-  from jakiro_jax.prune.schedule import checked_schedule
   checked_schedule(schedule, tc.num_layers, source)  # one sparsity per block of this model
   for v in own.values():
     checked_schedule(v[1], tc.num_layers, v[3])

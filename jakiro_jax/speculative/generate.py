@@ -89,10 +89,11 @@ def draft_tree(drafter, draft_params, head, carried_root, root, cache,
   rng = jax.random.PRNGKey(0) if rng is None else rng
   tree, new_cache = drafter.draft(RoundInputs(draft_params, head, carried_root, root, cache,
                                               run_forward, sampling, rng))
-  if lookup_tokens(drafter):
+  chain = lookup_tokens(drafter)
+  if chain:
     with jax.named_scope("lookup_chain"):
-      tree = with_chain(tree, lookup_proposal(cache.history, cache.lengths,
-                                              lookup_tokens(drafter), LOOKUP_MAX_NGRAM, 1))
+      tree = with_chain(tree, lookup_proposal(cache.history, cache.lengths, chain,
+                                              LOOKUP_MAX_NGRAM, min_ngram=1))
   return tree, new_cache
 
 

@@ -26,6 +26,14 @@ from jakiro_jax.speculative.tree import Tree
 LOOKUP_MAX_NGRAM = 3
 
 
+def write_history(history: jax.Array, lengths: jax.Array, tokens: jax.Array) -> jax.Array:
+  """history `[B, S]` with tokens `[B, T]` at slots lengths + t (past the end: dropped)."""
+  batch, num_new = tokens.shape
+  slots = lengths[:, None] + jnp.arange(num_new)[None]
+  return history.at[jnp.arange(batch)[:, None], slots].set(tokens.astype(history.dtype),
+                                                            mode="drop")
+
+
 def chain_tree(root: jax.Array, proposal: jax.Array) -> Tree:
   """root `[B]`, proposal `[B, K]` -> the chain root -> proposal[0] -> ... as a `Tree`."""
   batch, k = proposal.shape
