@@ -27,6 +27,7 @@ ENTRY_POINT_GROUP = "jakiro_jax.drafters"
 BUILTIN = {
     "eagle2": "jakiro_jax.drafts.eagle2:Eagle2Drafter",
     "eagle3": "jakiro_jax.drafts.eagle3:Eagle3Drafter",
+    "dflash": "jakiro_jax.drafts.dflash:DFlashDrafter",
     "jakiro": "jakiro_jax.drafts.jakiro:JakiroDrafter",
     "jakiro_star": "jakiro_jax.drafts.jakiro_star:JakiroStarDrafter",
     "lookup": "jakiro_jax.drafts.lookup:LookupDrafter",

@@ -258,3 +258,37 @@ def expand_beam(step: Callable, logp_root: jax.Array, hidden_root: jax.Array,
   return Candidates(tokens=jnp.concatenate(all_tokens, axis=1),
                     scores=jnp.concatenate(all_scores, axis=1),
                     parent=jnp.concatenate(all_parents, axis=1)), state
+
+
+@tree_search
+def marginal_tree(scores: jax.Array, tokens: jax.Array, root: jax.Array,
+                  num_nodes: int) -> Tree:
+  """The tree of the `num_nodes - 1` most probable prefixes under `root [B]` when each
+  depth's distribution does not depend on the branch (a block drafter's per-position
+  marginals: DDTree's tree), a prefix scored by the sum of its tokens' log-probs.
+
+  scores, tokens `[B, L, K]`: the K best (log-prob, token) of depth 1..L, best first.
+  Depth by depth the K best prefixes expand by the K best tokens of the next depth, and
+  the best `num_nodes - 1` of all candidates form the tree (`build_tree`). With K >=
+  num_nodes - 1 the beam never drops a prefix the tree needs (a prefix outranks each of
+  its extensions), so the tree is exactly the best-first search's.
+  """
+  batch, levels, k = scores.shape
+  all_tokens, all_scores = [tokens[:, 0]], [scores[:, 0]]
+  all_parents = [jnp.full((batch, k), -1, jnp.int32)]
+  frontier_scores = scores[:, 0]
+  frontier_ids = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
+  first = k
+  for depth in range(1, levels):
+    cumulative = (frontier_scores[:, :, None] + scores[:, depth, None, :]).reshape(batch, k * k)
+    all_tokens.append(jnp.tile(tokens[:, depth], (1, k)))
+    all_scores.append(cumulative)
+    all_parents.append(jnp.repeat(frontier_ids, k, axis=1))
+    if depth + 1 < levels:
+      frontier_scores, best = jax.lax.top_k(cumulative, k)
+      frontier_ids = (first + best).astype(jnp.int32)
+    first += k * k
+  candidates = Candidates(tokens=jnp.concatenate(all_tokens, axis=1),
+                          scores=jnp.concatenate(all_scores, axis=1),
+                          parent=jnp.concatenate(all_parents, axis=1))
+  return build_tree(candidates, root, num_nodes, levels)
