@@ -160,7 +160,8 @@ def test_layer_ids_and_the_tree_follow_dflash(target):
   assert default_target_layer_ids(64, 5) == (1, 16, 31, 46, 61)
   assert default_target_layer_ids(36, 1) == (18,)
   drafter = make_drafter("dflash", target.config, block_size=6, target_layer_ids=(0, 1))
-  assert drafter.feature_layers == (1, 2)  # id k: the output of layer k
+  # id k: the output of layer k; the last one as HuggingFace gives it, after the final norm
+  assert drafter.feature_layers == (1, -1)
   assert drafter.tree == TreeConfig(top_k=1, depth=4, total_tokens=6)
   assert make_drafter("dflash", target.config, block_size=6, tree_nodes=20).tree == (
       TreeConfig(top_k=20, depth=4, total_tokens=21))
@@ -184,3 +185,18 @@ def test_bad_options_are_refused(target, options, error):
 def test_a_tree_that_does_not_follow_the_options_is_refused(target):
   with pytest.raises(ValueError, match="dflash's tree follows from block_size=4"):
     DFlashDrafter(target.config, TreeConfig(top_k=2, depth=2, total_tokens=5), block_size=4)
+
+
+def test_export_and_import_keep_the_draft(target, trained, tmp_path):
+  from jakiro_jax.export.reference_dir import read_reference_dir, write_reference_dir
+  drafter = dataclasses.replace(trained["drafter"], mask_token_id=5, tree=None)
+  paths = write_reference_dir(tmp_path / "d", drafter, {"params": trained["params"]["params"]})
+  assert sorted(p.name for p in map(__import__("pathlib").Path, paths)) == [
+      "config.json", "model.safetensors"]
+  config = __import__("json").loads((tmp_path / "d" / "config.json").read_text())
+  assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+  assert config["dflash_config"] == {"mask_token_id": 5,
+                                     "target_layer_ids": list(drafter.layer_ids)}
+  back, params = read_reference_dir(tmp_path / "d", "dflash", target)
+  assert back == drafter
+  jax.tree.map(np.testing.assert_array_equal, params, trained["params"])

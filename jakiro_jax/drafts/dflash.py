@@ -8,7 +8,8 @@ S draft cache slots, N tree nodes.
 The draft is a few Qwen3-style layers (pre-RMSNorm, per-head q / k norms, SwiGLU, RoPE)
 without an embedding or lm_head of its own: it reads the target's. The target's residual
 streams after decoder layers `target_layer_ids` (DFlash's ids: id k is the OUTPUT of layer
-k, HuggingFace's `hidden_states[k + 1]`, our stream k + 1 entering layer k + 1) are fused
+k, HuggingFace's `hidden_states[k + 1]`, our stream k + 1 entering layer k + 1; for the
+last layer HuggingFace's entry is the final norm's output, our -1) are fused
 once, c = hidden_norm(fc(streams)), and injected as keys and values in every layer:
 position p's context key is k_norm(k_proj(c_p)) at RoPE position p, its value v_proj(c_p).
 The draft cache therefore holds, per layer, the committed positions' context K/V (slot p
@@ -248,7 +249,7 @@ class DFlashDrafter:
 
   name: ClassVar[str] = "dflash"
   inference_options: ClassVar[tuple[str, ...]] = ("block_size", "tree_nodes")
-  torch_layout: ClassVar[Any] = None
+  torch_layout: ClassVar[Any] = None  # set below the class (`drafts/dflash_layout.py`)
   derives_tree: ClassVar[bool] = True
   reads_fused: ClassVar[bool] = False
   loss_settings: ClassVar[type] = DFlashLossSettings
@@ -256,8 +257,21 @@ class DFlashDrafter:
   draft_vocab: ClassVar[tuple[int, ...]] = ()  # drafts over the target's whole lm_head
 
   def __post_init__(self):
-    object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-    object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
+    # The target's numbers where an option is left at 0 / -1 / (): equal drafters compare
+    # equal however they were built (options, an imported config.json, a saved draft).
+    t = self.target_config
+    resolved = dict(
+        num_heads=self.num_heads or t.num_heads, num_kv_heads=self.num_kv_heads or t.num_kv_heads,
+        head_dim=self.head_dim or t.head_dim,
+        intermediate_size=self.intermediate_size or t.intermediate_size,
+        rope_theta=float(self.rope_theta or t.rope_theta),
+        rms_norm_eps=float(self.rms_norm_eps or t.rms_norm_eps),
+        mask_token_id=t.vocab_size - 1 if self.mask_token_id == -1 else int(self.mask_token_id),
+        target_layer_ids=tuple(int(i) for i in self.target_layer_ids)
+        or default_target_layer_ids(t.num_layers, self.num_layers),
+        sliding_layers=tuple(int(i) for i in self.sliding_layers))
+    for name, value in resolved.items():
+      object.__setattr__(self, name, value)
     if self.block_size < 2:
       raise ValueError(f"dflash needs block_size >= 2 (the root and one drafted slot), got "
                        f"{self.block_size}")
@@ -267,7 +281,7 @@ class DFlashDrafter:
     if self.num_layers < 1:
       raise ValueError(f"dflash needs num_layers >= 1, got {self.num_layers}")
     vocab = self.target_config.vocab_size
-    if not -1 <= self.mask_token_id < vocab:
+    if not 0 <= self.mask_token_id < vocab:
       raise ValueError(f"mask_token_id {self.mask_token_id} is not a token of the target's "
                        f"vocabulary of {vocab}")
     layers = self.target_config.num_layers
@@ -321,30 +335,28 @@ class DFlashDrafter:
 
   @property
   def feature_layers(self) -> tuple[int, ...]:
-    """Our stream ids (entering layer k + 1) of DFlash's `target_layer_ids`."""
-    return tuple(i + 1 for i in self.layer_ids)
+    """Our stream ids of DFlash's `target_layer_ids`: HuggingFace's hidden_states[k + 1],
+    the stream entering layer k + 1, except for the last layer, whose hidden_states entry
+    is the final norm's output (-1)."""
+    last = self.target_config.num_layers - 1
+    return tuple(-1 if i == last else i + 1 for i in self.layer_ids)
 
   @property
   def layer_ids(self) -> tuple[int, ...]:
-    return self.target_layer_ids or default_target_layer_ids(self.target_config.num_layers,
-                                                              self.num_layers)
+    return self.target_layer_ids
 
   @property
   def mask_token(self) -> int:
-    return self.target_config.vocab_size - 1 if self.mask_token_id < 0 else self.mask_token_id
+    return self.mask_token_id
 
   @property
   def layer_config(self) -> LlamaConfig:
     """The draft layers: the target's width, their own heads, MLP and RoPE base."""
     t = self.target_config
-    heads = self.num_heads or t.num_heads
     return t.replace(
-        num_layers=self.num_layers, num_heads=heads,
-        num_kv_heads=self.num_kv_heads or t.num_kv_heads,
-        head_dim=self.head_dim or t.head_dim,
-        intermediate_size=self.intermediate_size or t.intermediate_size,
-        rope_theta=float(self.rope_theta or t.rope_theta),
-        rms_norm_eps=float(self.rms_norm_eps or t.rms_norm_eps),
+        num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+        head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+        rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
         attention_bias=False, attention_out_bias=False, mlp_bias=False,
         sliding_window=self.sliding_window or None,
         sliding_layers=self.sliding_layers if self.sliding_window else ())
@@ -515,3 +527,9 @@ def block_mask(lengths: jax.Array, block: int, max_len: int, causal: bool) -> ja
   t = jnp.arange(block, dtype=jnp.int32)[None, :, None]
   last = start + (t if causal else block - 1)
   return jnp.broadcast_to(slots <= last, (lengths.shape[0], block, max_len))
+
+
+# The public PyTorch layout (export and import).
+from jakiro_jax.drafts import dflash_layout  # noqa: E402
+
+DFlashDrafter.torch_layout = dflash_layout.torch_layout()
