@@ -431,6 +431,28 @@ def test_loss_decreases_and_validation_reports_alpha(tiny_target, feature_set, t
                              atol=2e-3, rtol=2e-3)
 
 
+def test_dflash_trains_online_and_its_draft_loads(tiny_target, feature_set, tmp_path):
+  """The block drafter through the trainer: online features of the layers it reads, its
+  anchor loss going down, validation's block chain, the saved draft loading back."""
+  target_dir, target = tiny_target
+  data_dir, _ = feature_set
+  config = _config("configs/smollm2_135m_dflash.py", {
+      "target": target_dir, "batch_size": 4, "max_len": 64, "lr": 3e-3, "warmup_steps": 2,
+      "log_every": 4, "eval_every": 0, "eval_rows": 2, "progress": False, "num_steps": 16,
+      "save_every": 100, "drafts.dflash.block_size": 4, "drafts.dflash.num_layers": 1,
+      "loss.anchors": 8})
+  result = train(config, data_dir, tmp_path / "run")
+  losses = [h["loss"] for h in result.history]
+  assert len(losses) == 4 and losses[-1] < 0.9 * losses[0], losses
+  (final,) = result.evals
+  assert set(final) >= {"alpha_1", "alpha_3", "tau"} and final["starts"] > 0
+  from jakiro_jax.drafts.io import load_draft
+  drafter, loaded = load_draft(tmp_path / "run" / "draft", target)
+  assert drafter.name == "dflash" and drafter.block_size == 4 and drafter.num_layers == 1
+  np.testing.assert_allclose(loaded["params"]["fc"], result.params["params"]["fc"],
+                             atol=2e-3, rtol=2e-3)
+
+
 def test_jakiro_star_trains_on_the_expert_sum(tiny_target, feature_set, tmp_path):
   """Jakiro* through the trainer: its objective (the gate-weighted expert sum), validation
   along the preferred expert's chain, and a saved draft that keeps its static tree."""
