@@ -45,9 +45,10 @@ def record_tokens(cache: KVCache, tokens: jax.Array) -> KVCache:
 
 def draft_layer_config(target: LlamaConfig, num_layers: int = 1, **changes) -> LlamaConfig:
   """The draft decoder layers mirror the target's layer shapes, with full attention and
-  no o_proj/MLP biases, as the original draft layers have (their layouts hold none)."""
+  no o_proj/MLP biases nor q/k norms (a Qwen3 target's), as the original draft layers
+  have (their layouts hold none)."""
   return target.replace(num_layers=num_layers, attention_out_bias=False, mlp_bias=False,
-                        sliding_window=None, sliding_layers=(), **changes)
+                        qk_norm=False, sliding_window=None, sliding_layers=(), **changes)
 
 
 FEATURE_SETS = ("last", "fused")

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # qwen3: the dense models
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Rope types refused by name, with the reason.
 REFUSED_ROPE_TYPES = {
@@ -23,7 +23,7 @@ REFUSED_ROPE_TYPES = {
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """Architecture numbers of a Llama / Mistral / Qwen2 decoder.
+  """Architecture numbers of a Llama / Mistral / Qwen2 / Qwen3 decoder.
 
   Frozen and hashable so it can be a static argument of `jax.jit`.
   `rope_scaling` is a sorted tuple of (key, value) pairs, or None.
@@ -43,6 +43,9 @@ class LlamaConfig:
   attention_bias: bool = False  # q/k/v biases
   attention_out_bias: bool = False  # o_proj bias (Llama's attention_bias sets both)
   mlp_bias: bool = False  # gate/up/down biases
+  # Qwen3: an RMSNorm over head_dim (weights `q_norm`, `k_norm` [H], eps = rms_norm_eps) on
+  # each query and key head after the q/k projections, before RoPE.
+  qk_norm: bool = False
   max_position_embeddings: int = 4096
   sliding_window: int | None = None  # keys with position > query position - window
   sliding_layers: tuple[int, ...] = ()  # the layers that attend through the window
@@ -74,6 +77,8 @@ class LlamaConfig:
     if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
       raise ValueError(f"sliding_layers {self.sliding_layers} name layers outside "
                        f"[0, {self.num_layers})")
+    if self.qk_norm and self.model_type != "qwen3":
+      raise ValueError(f"qk_norm is Qwen3's; model_type {self.model_type!r} has no q/k norms")
 
   @property
   def queries_per_kv(self) -> int:
@@ -95,8 +100,11 @@ class LlamaConfig:
 
   def to_hf_dict(self) -> dict:
     """A HuggingFace `config.json` dict describing this architecture."""
-    arch = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-        self.model_type, "LlamaForCausalLM")
+    if self.model_type == "qwen3" and not self.qk_norm:
+      raise ValueError("a qwen3 config without qk_norm (a draft's layer) has no "
+                       "transformers architecture: Qwen3 always has q/k norms")
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM"}.get(self.model_type, "LlamaForCausalLM")
     out = {
         "architectures": [arch],
         "model_type": self.model_type,
@@ -118,14 +126,16 @@ class LlamaConfig:
     if self.model_type == "llama":
       out["attention_bias"] = self.attention_bias
       out["mlp_bias"] = self.mlp_bias
+    elif self.model_type == "qwen3":
+      out["attention_bias"] = self.attention_bias
     if self.sliding_window:
       out["sliding_window"] = self.sliding_window
-      if self.model_type == "qwen2":
+      if self.model_type in ("qwen2", "qwen3"):
         out["use_sliding_window"] = True
         out["layer_types"] = ["sliding_attention" if i in self.sliding_layers
                               else "full_attention" for i in range(self.num_layers)]
         out["max_window_layers"] = min(self.sliding_layers)
-    elif self.model_type in ("mistral", "qwen2"):
+    elif self.model_type in ("mistral", "qwen2", "qwen3"):
       out["sliding_window"] = None
     return out
 
@@ -142,7 +152,9 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> LlamaConfig
   """Builds a `LlamaConfig` from a HuggingFace `config.json` dict."""
   model_type = hf.get("model_type", "llama")
   if model_type not in SUPPORTED_MODEL_TYPES:
-    raise ValueError(f"model_type {model_type!r} is not supported; supported: "
+    moe = " (mixture-of-experts models are not; qwen3 is the dense one)" if "moe" in str(
+        model_type) else ""
+    raise ValueError(f"model_type {model_type!r} is not supported{moe}; supported: "
                      f"{SUPPORTED_MODEL_TYPES}")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (silu only)")
@@ -159,7 +171,9 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> LlamaConfig
     )
   except KeyError as e:
     raise ValueError(f"config is missing the field {e.args[0]!r}") from None
-  head_dim = hf.get("head_dim") or hidden // heads
+  # transformers' Qwen3Config defaults head_dim to 128, the others to hidden / heads
+  head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" and "head_dim" not in hf
+                                    else hidden // heads)
   rope_scaling = hf.get("rope_scaling")
   rope_theta = hf.get("rope_theta")
   if rope_theta is None and isinstance(hf.get("rope_parameters"), Mapping):
@@ -181,7 +195,8 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> LlamaConfig
         hf.get("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))))
   num_layers = cfg["num_layers"]
   window, window_layers = _sliding_window(hf, model_type, num_layers)
-  llama_bias = bool(hf.get("attention_bias", False)) and model_type == "llama"
+  # Llama's and Qwen3's attention_bias put a bias on q/k/v and on o_proj.
+  both_biases = bool(hf.get("attention_bias", False)) and model_type in ("llama", "qwen3")
   return LlamaConfig(
       **cfg,
       num_kv_heads=int(hf.get("num_key_value_heads") or heads),
@@ -191,10 +206,11 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> LlamaConfig
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
       # As transformers builds them: Qwen2 always has q/k/v biases, Mistral never,
-      # Llama's attention_bias puts one on o_proj too.
-      attention_bias=model_type == "qwen2" or llama_bias,
-      attention_out_bias=llama_bias,
+      # Llama's and Qwen3's attention_bias put one on o_proj too.
+      attention_bias=model_type == "qwen2" or both_biases,
+      attention_out_bias=both_biases,
       mlp_bias=bool(hf.get("mlp_bias", False)) and model_type == "llama",
+      qk_norm=model_type == "qwen3",
       max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
       sliding_window=window,
       sliding_layers=window_layers,
@@ -265,8 +281,8 @@ def _sliding_window(hf: Mapping[str, Any], model_type: str,
       raise ValueError("a llama config with sliding_window/layer_types: transformers' "
                        "Llama ignores them; use model_type mistral or qwen2")
     return None, ()
-  if model_type == "qwen2" and not hf.get("use_sliding_window", False):
-    window = None  # transformers' Qwen2Config drops the window unless it is enabled
+  if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    window = None  # transformers' Qwen2/3 configs drop the window unless it is enabled
   if layer_types is not None:
     if len(layer_types) != num_layers:
       raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
@@ -274,7 +290,7 @@ def _sliding_window(hf: Mapping[str, Any], model_type: str,
     if bad:
       raise ValueError(f"layer_types {bad} are not supported")
     layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-  elif model_type == "qwen2":
+  elif model_type in ("qwen2", "qwen3"):
     start = int(hf.get("max_window_layers", 28))
     layers = tuple(range(start, num_layers))
   else:  # mistral: every layer

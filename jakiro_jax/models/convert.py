@@ -52,6 +52,9 @@ def attention_hf_shapes(cfg: LlamaConfig, prefix: str) -> dict[str, tuple[int, .
                    prefix + "v_proj.bias": (kv,)})
   if cfg.attention_out_bias:
     shapes[prefix + "o_proj.bias"] = (d,)
+  if cfg.qk_norm:
+    shapes.update({prefix + "q_norm.weight": (cfg.head_dim,),
+                   prefix + "k_norm.weight": (cfg.head_dim,)})
   return shapes
 
 
@@ -69,7 +72,8 @@ def mlp_hf_shapes(hidden: int, intermediate: int, prefix: str,
 
 
 def attention_from_hf(cfg: LlamaConfig, get, prefix: str) -> dict:
-  """HF q/k/v/o (read with `get(name)`) -> our `{"qkv" [K, G+2, H, D], "o" [D, K, G, H]}`."""
+  """HF q/k/v/o (read with `get(name)`) -> our `{"qkv" [K, G+2, H, D], "o" [D, K, G, H]}`
+  (+ `qkv_bias [K, G+2, H]`, `o_bias [D]`, Qwen3's `q_norm`, `k_norm [H]`)."""
   kv, g, hd, d = cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim, cfg.hidden_size
   qkv = np.concatenate([
       get(prefix + "q_proj.weight").reshape(kv, g, hd, d),
@@ -83,6 +87,9 @@ def attention_from_hf(cfg: LlamaConfig, get, prefix: str) -> dict:
         get(prefix + "v_proj.bias").reshape(kv, 1, hd)], axis=1)
   if cfg.attention_out_bias:
     attn["o_bias"] = get(prefix + "o_proj.bias")
+  if cfg.qk_norm:
+    attn["q_norm"] = get(prefix + "q_norm.weight")
+    attn["k_norm"] = get(prefix + "k_norm.weight")
   return attn
 
 
@@ -102,6 +109,9 @@ def attention_to_hf(cfg: LlamaConfig, attn: Mapping, prefix: str) -> dict[str, n
     state[prefix + "v_proj.bias"] = bias[:, g + 1].reshape(kvd)
   if cfg.attention_out_bias:
     state[prefix + "o_proj.bias"] = np.asarray(attn["o_bias"])
+  if cfg.qk_norm:
+    state[prefix + "q_norm.weight"] = np.asarray(attn["q_norm"])
+    state[prefix + "k_norm.weight"] = np.asarray(attn["k_norm"])
   return state
 
 

@@ -23,6 +23,10 @@ import os
 import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# Architectures the HF loader reads but this one does not, with the reason.
+REFUSED_ARCHITECTURES = {
+    "qwen3": "its q/k norm tensors are not mapped from GGUF; load the HuggingFace "
+             "checkpoint instead"}
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -179,6 +183,9 @@ def read_gguf(path) -> tuple[dict, dict[str, np.ndarray]]:
   """
   reader = _reader(path)
   arch = _field(reader, "general.architecture")
+  if arch in REFUSED_ARCHITECTURES:
+    raise ValueError(f"GGUF architecture {arch!r} is not supported: "
+                     f"{REFUSED_ARCHITECTURES[arch]}")
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
                      f"{SUPPORTED_ARCHITECTURES}")

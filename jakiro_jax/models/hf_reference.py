@@ -19,6 +19,7 @@ def torch_model_from_target(target):
   hf = target.config.to_hf_dict()
   cls_name = hf.pop("architectures")[0]
   config_cls = {"Qwen2ForCausalLM": transformers.Qwen2Config,
+                "Qwen3ForCausalLM": transformers.Qwen3Config,
                 "MistralForCausalLM": transformers.MistralConfig}.get(
                     cls_name, transformers.LlamaConfig)
   for key in ("model_type", "torch_dtype"):

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in Flax Linen.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 dense) in Flax Linen.
 
 Axis letters: B batch, T new tokens, S cache slots, D hidden, K kv heads, G query heads
 per kv head, C = G + 2 (queries, key, value of one kv group), H head dim, F mlp width,
@@ -255,7 +255,9 @@ class Attention(nn.Module):
   call's tokens only under a `[B, T, T]` mask; returns their K/V `[B, T, K, H]` each
   instead of a cache: the gathered prefill). `return_probs` adds the attention weights
   `[B, K, G, T, S]` to the returns. `inv_rms [B, T, 1]`: a deferred input norm's factor
-  (`RMSNorm(deferred=True)`), applied to the q / k / v projections."""
+  (`RMSNorm(deferred=True)`), applied to the q / k / v projections. With `config.qk_norm`
+  (Qwen3) each query and key head is RMS-normalised over H (params `q_norm`, `k_norm`
+  `[H]`) before RoPE."""
   config: LlamaConfig
   layer: int
   input_size: int | None = None  # the q / k / v input width; None = hidden_size
@@ -275,8 +277,14 @@ class Attention(nn.Module):
                           nn.initializers.zeros)
     inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))
     scale = rope_attention_factor(cfg)
-    q = apply_rope(qkv[:, :, :, :g], positions, inv_freq, scale)  # [B, T, K, G, H]
-    k_new = apply_rope(qkv[:, :, :, g], positions, inv_freq, scale)  # [B, T, K, H]
+
+    def rotated(x, norm: str):
+      if cfg.qk_norm:  # Qwen3: each head normalised over H, before RoPE
+        x = self._head_norm(norm, x)
+      return apply_rope(x, positions, inv_freq, scale)
+
+    q = rotated(qkv[:, :, :, :g], "q_norm")  # [B, T, K, G, H]
+    k_new = rotated(qkv[:, :, :, g], "k_norm")  # [B, T, K, H]
     v_new = qkv[:, :, :, g + 1]
     if cache is None:
       return self._within_call(q, k_new, v_new, positions, mask, return_probs)
@@ -318,6 +326,16 @@ class Attention(nn.Module):
     # Layer `self.layer`'s first S' slots (a GPU kernel takes the stacked cache whole).
     out = tree_attention.attention(q, k_all, v_all, self.layer, mask, xla_attention)
     return self._output(out), cache
+
+  def _head_norm(self, name: str, x):
+    """`x [..., H]` times `name [H]` over its RMS along H (fp32, then x's dtype), as
+    transformers' Qwen3 q_norm / k_norm; eps = rms_norm_eps."""
+    cfg = self.config
+    scale = weight_param(self, name, (cfg.head_dim,), ("head_dim",), cfg.dtype,
+                         nn.initializers.ones)
+    x32 = x.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    return scale * (x32 * inv_rms).astype(x.dtype)
 
   def _within_call(self, q, k_new, v_new, positions, mask, return_probs: bool):
     """Attention among this call's T tokens (mask `[B, T, T]`, the sliding window by
