@@ -200,3 +200,44 @@ def test_export_and_import_keep_the_draft(target, trained, tmp_path):
   back, params = read_reference_dir(tmp_path / "d", "dflash", target)
   assert back == drafter
   jax.tree.map(np.testing.assert_array_equal, params, trained["params"])
+
+
+@pytest.mark.parametrize("change,error", [
+    (dict(hidden_size=64), r"does not match its target: hidden_size=64 \(target: 72\)"),
+    (dict(vocab_size=100), r"does not match its target: vocab_size=100 \(target: 97\)"),
+    (dict(num_target_layers=4), r"num_target_layers=4 \(target: 2 layers\)"),
+    (dict(dflash_config={"target_layer_ids": [0, 5], "mask_token_id": 3}),
+     r"target_layer_ids \[0, 5\] name layers \[5\] that this 2-layer target does not have"),
+    (dict(dflash_config={"target_layer_ids": [0, 1]}), "names no mask_token_id"),
+    (dict(dflash_config={"target_layer_ids": [0, 1], "mask_token_id": 97}),
+     "mask_token_id 97 is not a token of the target's vocabulary of 97"),
+    (dict(attention_bias=True), "attention_bias=true"),
+])
+def test_an_import_that_does_not_fit_its_target_is_refused_in_one_line(
+    target, trained, tmp_path, change, error):
+  import json
+  from jakiro_jax.export.reference_dir import read_reference_dir, write_reference_dir
+  write_reference_dir(tmp_path / "d", trained["drafter"], trained["params"])
+  path = tmp_path / "d" / "config.json"
+  config = json.loads(path.read_text())
+  config.update(change)
+  path.write_text(json.dumps(config))
+  (tmp_path / "d" / ".jakiro_jax_files.json").unlink()  # as a downloaded directory comes
+  with pytest.raises(ValueError, match=error) as refused:
+    read_reference_dir(tmp_path / "d", "dflash", target)
+  assert "\n" not in str(refused.value)
+
+
+def test_the_public_spellings_are_read(target, trained, tmp_path):
+  """`model.`-prefixed keys and vLLM's renames name the same weights."""
+  from safetensors.numpy import load_file, save_file
+  from jakiro_jax.export.reference_dir import read_reference_dir, write_reference_dir
+  write_reference_dir(tmp_path / "d", trained["drafter"], trained["params"])
+  weights = tmp_path / "d" / "model.safetensors"
+  state = load_file(weights)
+  renamed = {("model." + k.replace("layers.0.", "midlayer.").replace("fc.", "encoder.fc.")
+              .replace("hidden_norm.", "encoder.output_norm_enc.")): v for k, v in state.items()}
+  save_file(renamed, weights, metadata={"format": "pt"})
+  (tmp_path / "d" / ".jakiro_jax_files.json").unlink()  # as a downloaded directory comes
+  _, params = read_reference_dir(tmp_path / "d", "dflash", target)
+  jax.tree.map(np.testing.assert_array_equal, params, trained["params"])

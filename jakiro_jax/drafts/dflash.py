@@ -234,7 +234,7 @@ class DFlashDrafter:
   tree: Any = None
   block_size: int = 8
   tree_nodes: int = 0
-  num_layers: int = 2
+  num_layers: int = 5  # the paper's (Qwen3-4B/8B, Llama-3.1-8B drafts)
   num_heads: int = 0
   num_kv_heads: int = 0
   head_dim: int = 0
