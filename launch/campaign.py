@@ -63,6 +63,15 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the steps' commands and ex
 flags.mark_flags_as_required(["prompts", "questions_dir", "out"])
 
 
+def load_config_file(path: str):
+  """The `get_config()` of a config file (a method's training config)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(f"_config_{abs(hash(path))}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -91,7 +100,13 @@ def main(argv):
   from jakiro_jax.target import load_target
   from jakiro_jax.train.distill_data import feature_layers_for
   target_config = load_target(config.target, dtype=config.dtype, with_tokenizer=False).config
-  layers = {m: feature_layers_for(config, m, target_config) for m in methods}
+  layers = {}
+  for m in methods:
+    # From the method's own training config: a method trained online reads only the set's
+    # tokens and loss masks, so the plain set serves it (no streams written for nothing).
+    train_config = load_config_file(train_config_path(config_file, m))
+    layers[m] = (() if train_config.get("online") else
+                 feature_layers_for(train_config, m, target_config))
   steps = plan(config_file, _PROMPTS.value, questions, out, sizes, layers, target_name,
                _WARM_START.value, _JAX_CACHE.value, _COMPARE.value)
   if _DRY_RUN.value:

@@ -163,6 +163,19 @@ def test_the_command_line_names_bad_input(tmp_path):
   assert not (tmp_path / "c").exists()  # refused before anything was written
 
 
+def test_methods_trained_online_share_the_plain_feature_set(tmp_path):
+  """Each method's streams come from its own training config: EAGLE-3 and DFlash train
+  online (their configs say so), so no set of their layers is written for nothing."""
+  (tmp_path / "q.jsonl").write_text('{"turns": ["hi"]}\n')
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"turns": ["hello"]}\n')
+  out = _campaign(f"--prompts={prompts}", f"--questions_dir={tmp_path}",
+                  f"--out={tmp_path / 'c'}", "--methods=eagle2,eagle3,dflash", "--dry_run")
+  assert out.returncode == 0, out.stderr[-2000:]
+  names = [line[2:] for line in out.stdout.splitlines() if line.startswith("# ")]
+  assert names == ["data:data", "train:eagle2", "train:eagle3", "train:dflash", "eval"]
+
+
 def test_a_second_campaign_into_a_busy_folder_is_refused_in_one_line(tmp_path):
   out = tmp_path / "c"
   holder = subprocess.Popen(
