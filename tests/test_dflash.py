@@ -103,6 +103,20 @@ def test_greedy_equals_the_ar_loop_and_accepts(target, trained, tree_nodes):
   assert max(max(row) for row in out.accept_lens) == 3  # a whole block, root excluded
 
 
+@pytest.mark.parametrize("tree_nodes", [0, 6])
+def test_a_draft_vocabulary_keeps_greedy_exact(target, trained, tree_nodes):
+  """Candidates from the tokens of the training texts only (the block reads those rows of
+  the lm_head): the same output as the AR loop, and what the texts need is still drafted."""
+  vocab = tuple(sorted({int(t) for row in trained["texts"] for t in row}))
+  drafter = dataclasses.replace(trained["drafter"], tree_nodes=tree_nodes, tree=None,
+                                draft_vocab=vocab)
+  prompts = trained["prompts"][:2]
+  ar = generate_ar(target, prompts, max_new_tokens=16)
+  out = generate(target, drafter, trained["params"], prompts, max_new_tokens=16)
+  assert out.tokens == ar.tokens and out.tau > 2.0
+  assert len(vocab) < target.config.vocab_size
+
+
 def test_the_tree_is_ddtrees_best_first_search():
   """`marginal_tree` keeps exactly the prefixes a best-first search over the product of
   per-depth distributions pops first (DDTree's heap)."""

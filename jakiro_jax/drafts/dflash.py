@@ -44,8 +44,8 @@ from jakiro_jax.models import tree_attention
 from jakiro_jax.models.config import LlamaConfig, rope_attention_factor, rope_inverse_frequencies
 from jakiro_jax.models.kv_cache import KVCache
 from jakiro_jax.models.llama import (MLP, RMSNorm, apply_rope, check_feature_layers,
-                                     dot_precision, matmul_out_in, weight_param, write_kv,
-                                     xla_attention)
+                                     dot_precision, matmul_out_in, project_rows,
+                                     weight_param, write_kv, xla_attention)
 from jakiro_jax.sharding import whole_features
 from jakiro_jax.speculative.drafter import RoundInputs, TargetHead
 from jakiro_jax.speculative.lookup_chain import chain_tree
@@ -246,6 +246,10 @@ class DFlashDrafter:
   sliding_window: int = 0
   sliding_layers: tuple[int, ...] = ()
   causal: bool = False
+  # Drafting only: the block's candidates come from these token ids (ascending), so the
+  # block reads K rows of the lm_head instead of V; () = the whole vocabulary (what the
+  # public drafts and the official code use). Lossless either way.
+  draft_vocab: tuple[int, ...] = ()
 
   name: ClassVar[str] = "dflash"
   inference_options: ClassVar[tuple[str, ...]] = ("block_size", "tree_nodes")
@@ -254,7 +258,6 @@ class DFlashDrafter:
   reads_fused: ClassVar[bool] = False
   loss_settings: ClassVar[type] = DFlashLossSettings
   measured_tau: ClassVar[dict[str, float]] = {}
-  draft_vocab: ClassVar[tuple[int, ...]] = ()  # drafts over the target's whole lm_head
 
   def __post_init__(self):
     # The target's numbers where an option is left at 0 / -1 / (): equal drafters compare
@@ -400,7 +403,8 @@ class DFlashDrafter:
     return output
 
   def block_logits(self, params, head: TargetHead, root, cache: KVCache) -> jax.Array:
-    """fp32 logits `[B, Q - 1, V]` of block slots 1..Q-1 after root `[B]` (cache.lengths
+    """fp32 logits `[B, Q - 1, V]` (`[B, Q - 1, K]` over a draft vocabulary) of block
+    slots 1..Q-1 after root `[B]` (cache.lengths
     = n committed tokens), and the cache with the block's K/V at slots n.. (lengths
     unchanged)."""
     batch, q = root.shape[0], self.block_size
@@ -411,14 +415,23 @@ class DFlashDrafter:
     hidden, cache = self.module().apply(params, head.embed(tokens), positions, cache, mask,
                                         method=DFlashDraft.block)
     with jax.named_scope("draft_head"):
-      return head.logits(hidden[:, 1:]), cache
+      if not self.draft_vocab:
+        return head.logits(hidden[:, 1:]), cache
+      rows = head.draft_rows
+      if rows is None or rows.shape[0] != len(self.draft_vocab):  # built without them
+        rows = head.lm_head[jnp.asarray(self.draft_vocab, jnp.int32)]
+      return project_rows(hidden[:, 1:], rows), cache
 
   def draft(self, inputs: RoundInputs) -> tuple[Tree, Any]:
+    """The block's tree; with a draft vocabulary the logits' last axis holds its ids."""
     logits, cache = self.block_logits(inputs.params, inputs.head, inputs.root, inputs.cache)
     if self.tree_nodes <= 0:
       proposal = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, Q-1]
+      if self.draft_vocab:
+        proposal = jnp.asarray(self.draft_vocab, jnp.int32)[proposal]
       return chain_tree(inputs.root, proposal), cache
-    scores, tokens = topk_level(jax.nn.log_softmax(logits, axis=-1), self.tree.top_k)
+    scores, tokens = topk_level(jax.nn.log_softmax(logits, axis=-1), self.tree.top_k,
+                                self.draft_vocab)
     return marginal_tree(scores, tokens, inputs.root, self.tree.total_tokens), cache
 
   def verification_plan(self, tree: Tree):
