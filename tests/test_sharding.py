@@ -24,12 +24,12 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 1, 8)]
-METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho")
+METHODS = ("eagle2", "jakiro", "jakiro_star", "gumiho", "dflash")
 # The AR loop and EAGLE-2 run on every mesh; the other drafters, whose weights go through
 # the same `draft_shardings` / `fit_spec`, on (2, 2, 2), which splits every axis at once
 # (each extra mesh is another set of compilations).
 MESHES_OF = {"ar": MESHES, "eagle2": MESHES, "jakiro": [(2, 2, 2)],
-             "jakiro_star": [(2, 2, 2)], "gumiho": [(2, 2, 2)]}
+             "jakiro_star": [(2, 2, 2)], "gumiho": [(2, 2, 2)], "dflash": [(2, 2, 2)]}
 SEQUENCE_PARALLEL_MESHES = [(1, 1, 8), (2, 2, 2)]
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=1,
             num_heads=8, num_kv_heads=4, head_dim=8, rope_theta=1000.0,
@@ -41,7 +41,16 @@ TREE = dict(top_k=2, depth=2, total_tokens=6)
 # over the devices as the head is.
 DRAFT_OPTIONS = {"eagle2": dict(draft_vocab=tuple(range(0, 128, 2))), "jakiro": {},
                  "gumiho": dict(mlp_num=1, mlp_topk=2, pruning=2),
-                 "jakiro_star": dict(choices=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))}
+                 "jakiro_star": dict(choices=((0,), (1,), (0, 0), (0, 1), (0, 0, 0))),
+                 # DFlash: a block of 3 verified as DDTree's 5-node tree (the same 6 nodes)
+                 "dflash": dict(block_size=3, tree_nodes=5, num_layers=1)}
+
+
+def tree_of(method: str):
+  """TREE, or None for a method whose tree follows from its options."""
+  from jakiro_jax.drafts import registry
+  from jakiro_jax.speculative.tree import TreeConfig
+  return None if registry.get(method).derives_tree else TreeConfig(**TREE)
 
 
 # ---------------------------------------------------------------- workers (8 devices)
@@ -95,7 +104,7 @@ def generate_worker() -> dict:
                                         mesh, sharding.cache_shardings)
       out["specs"][str(key)] = {"qkv": _spec(attn["qkv"]), "cache_k": _spec(cache.k)}
   for method in METHODS:
-    drafter = make_drafter(method, target.config, TreeConfig(**TREE), **DRAFT_OPTIONS[method])
+    drafter = make_drafter(method, target.config, tree_of(method), **DRAFT_OPTIONS[method])
     params = jax.jit(drafter.init_params)(jax.random.PRNGKey(1))
     for key, mesh in meshes.items():
       if key is not None and key not in MESHES_OF[method]:
@@ -173,7 +182,9 @@ def train_worker(workdir: str) -> dict:
   def config_for(method, mesh):
     c = default_config(method)
     c.target = target_dir
-    c.drafts[method] = dict(tree=dict(TREE), **DRAFT_OPTIONS[method])
+    c.drafts[method] = dict(**({} if tree_of(method) is None else {"tree": dict(TREE)}),
+                            **DRAFT_OPTIONS[method])
+    c.online = method == "dflash"  # it reads target layers the stored set does not hold
     c.update(batch_size=8, max_len=64, num_steps=5, lr=3e-4, warmup_steps=2, log_every=1,
              save_every=5, eval_rows=0, progress=False, tensorboard=False,
              mesh_data=mesh[0], mesh_fsdp=mesh[1], mesh_tensor=mesh[2])
