@@ -23,8 +23,11 @@ def get_config():
   # paper: 5 layers, blocks of 16 (10 for Llama-3.1-8B).
   c.drafts.dflash = dict(block_size=8, tree_nodes=0, num_layers=2)
   # Labels are the data's tokens, scored over the target's whole lm_head: no CPU subset.
+  # Drafting proposes from the 8192 most frequent answer tokens of the training split (the
+  # block reads those rows of the lm_head, not 49152; still lossless).
   c.vocab_subset = 0
   c.draft_vocab = False
+  c.draft_vocab_size = 8192
   c.online = True
   c.noise = False  # DFlash adds no feature noise
   c.max_len = 512
