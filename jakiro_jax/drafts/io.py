@@ -133,14 +133,16 @@ def load_draft(source, target, tree: TreeConfig | None = None,
     if meta.get(field) != ours:
       raise ValueError(f"draft {source} was built for {field}={meta.get(field)}, "
                        f"the target has {ours}")
-  if tree is None and "choices" not in (overrides or {}):  # a static tree follows its choices
+  method = json_field(meta, "method", str, meta_path)
+  if method is None:
+    raise ValueError(f"{meta_path}: no field 'method'")
+  # A tree that follows from the options (Jakiro*'s choices, DFlash's block) is derived
+  # from them, overrides included; another is the saved one unless `tree` replaces it.
+  if tree is None and not get(method).derives_tree:
     tree = tree_from_json(json_field(meta, "tree", dict, meta_path, {}), meta_path)
   options = {k: tuple(v) if isinstance(v, list) else v  # JSON lists back to hashable tuples
              for k, v in json_field(meta, "options", dict, meta_path, {}).items()}
   options.update(overrides or {})
-  method = json_field(meta, "method", str, meta_path)
-  if method is None:
-    raise ValueError(f"{meta_path}: no field 'method'")
   drafter = make_drafter(method, target.config, tree, **options)
   flat = read_safetensors_dir(source)
   expected = _flatten(jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0)))
