@@ -10,6 +10,7 @@ generation loop takes 10-15 s on a 2-core CPU, minutes for a large target on a T
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -18,6 +19,7 @@ import pathlib
 import pickle
 import tempfile
 import time
+from typing import Callable
 
 
 def default_dir() -> str:
@@ -193,47 +195,83 @@ def executables_dir() -> str | None:
   return os.path.join(root, EXECUTABLES) if root else None
 
 
-def kept_call(jitted, name: str, static: dict, *args):
-  """`jitted(*args, **static)`, where the executable is kept across processes: loaded
-  from `executables_dir()` when a process before compiled it (no tracing), else traced,
-  compiled (JAX's cache first) and, compiled afresh, written there. Off with JAX's cache,
-  and for a static argument without a stable key. In a process, a call finds its
-  executable by the static arguments' hash and the inputs' signature, as `jax.jit` does;
-  the key on disk (`executable_key`, a few ms: it prints the static arguments) is made
-  once per program."""
+@dataclasses.dataclass(frozen=True)
+class Ready:
+  """A program made ready to run (`prepare_call`) and what that took."""
+  run: Callable  # call it with the positional arguments
+  # Tracing, lowering and compiling it, or loading it; 0 where nothing was traced,
+  # compiled or loaded (a program this process holds).
+  seconds: float
+  compiled: int  # programs XLA compiled for it
+  loaded: int  # programs read back: kept executables, JAX's persistent cache
+
+  @property
+  def cold(self) -> bool:
+    """Whether it was compiled or read back (a line of `log_ready`)."""
+    return bool(self.compiled or self.loaded)
+
+
+def prepare_call(jitted, name: str, static: dict, *args, keep: bool = True) -> Ready:
+  """The executable of `jitted(*args, **static)`, compiled ahead of its call
+  (`trace(...).lower().compile()`, donation as `jitted` declares it), so that the caller
+  can time the run apart from the compile.
+
+  With `keep` and JAX's cache on, the executable is kept across processes: loaded from
+  `executables_dir()` when a process before compiled it (no tracing), else traced,
+  compiled (JAX's cache first) and, compiled afresh, written there; this process then
+  holds it, found by the static arguments' hash and the inputs' signature, as `jax.jit`
+  does (the key on disk, `executable_key`, a few ms: it prints the static arguments, is
+  made once per program). Otherwise (cache off, a static argument without a stable key,
+  `keep=False`) each call asks `jax.jit`'s own caches, which answer in well under a
+  millisecond once the program is compiled and which `jax.clear_caches()` empties."""
   import jax
   from jax.experimental import serialize_executable
 
-  directory = executables_dir()
-  if directory is None:
-    return jitted(*args, **static)
-  leaves, tree = jax.tree.flatten(args)
-  local = (name, directory, tuple(sorted(static.items())), tree,
-           tuple(_arg_signature(x) for x in leaves))
-  executable = _LOADED.get(local)
-  if executable is None:
-    key = executable_key(name, static, args)
-    if key is None:
-      executable = _PLAIN_JIT
-    else:
-      path = os.path.join(directory, f"{name}-{key}.pkl")
-      executable = _read_executable(path)
-      if executable is None:
-        with CompileTime() as compiled:
-          executable = jitted.trace(*args, **static).lower().compile()
-        # Only a fresh compile is kept: a CPU executable read back from JAX's cache
-        # serializes without some of its functions ("broadcast_multiply_fusion not
-        # found" when run), so that program stays with JAX's cache.
-        if not compiled.loaded:
-          _write_executable(path, serialize_executable.serialize(executable))
+  directory = executables_dir() if keep else None
+  local = path = None
+  if directory is not None:
+    leaves, tree = jax.tree.flatten(args)
+    local = (name, directory, tuple(sorted(static.items())), tree,
+             tuple(_arg_signature(x) for x in leaves))
+    held = _LOADED.get(local)
+    if held is not None and held is not _PLAIN_JIT:
+      return Ready(held, 0.0, 0, 0)
+    if held is None:
+      key = executable_key(name, static, args)
+      if key is None:
+        _LOADED[local] = _PLAIN_JIT
+      else:
+        path = os.path.join(directory, f"{name}-{key}.pkl")
+  start = time.perf_counter()
+  with CompileTime() as compiled:
+    executable = None if path is None else _read_executable(path)
+    if executable is None:
+      executable = jitted.trace(*args, **static).lower().compile()
+      # Only a fresh compile is kept: a CPU executable read back from JAX's cache
+      # serializes without some of its functions ("broadcast_multiply_fusion not
+      # found" when run), so that program stays with JAX's cache.
+      if path is not None and not compiled.loaded:
+        _write_executable(path, serialize_executable.serialize(executable))
+  if path is not None:
     _LOADED[local] = executable
-  if executable is _PLAIN_JIT:
-    return jitted(*args, **static)
-  return executable(*args)
+  seconds = time.perf_counter() - start if compiled.cold else 0.0
+  return Ready(executable, seconds, compiled.count, compiled.loaded)
+
+
+def log_ready(ready: Ready, program: str, batch: int, slots: int) -> None:
+  """One INFO line on the `jakiro_jax` logger where `ready` compiled or loaded: which
+  program, for which batch and cache size, in how long (nothing for a held one)."""
+  if not ready.cold:
+    return
+  how, origin = (("compiled", "") if ready.compiled else
+                 ("loaded", " (compiled by an earlier process)"))
+  logging.getLogger("jakiro_jax").info(
+      "%s %s for batch %d, %s cache slots%s in %.1f s; later calls of that batch and "
+      "cache size reuse it", how, program, batch, f"{slots:,}", origin, ready.seconds)
 
 
 def kept_executables(name: str) -> list:
-  """The executables `kept_call` holds in this process for the program `name` (e.g.
+  """The executables `prepare_call` holds in this process for the program `name` (e.g.
   "speculative_loop"): what a profile reads the optimized HLO of."""
   return [e for key, e in _LOADED.items() if key[0] == name and e is not _PLAIN_JIT]
 

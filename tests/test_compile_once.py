@@ -90,6 +90,32 @@ def test_prompt_lengths_and_budgets_share_one_program_per_loop(tiny):
   assert compiled.count >= 1  # batch 2 is another program
 
 
+def test_a_first_call_times_its_compile_apart_and_says_so_once(tiny, caplog):
+  """`seconds` and `tokens_per_s` are the run's; a first call's compile is
+  `compile_seconds` and one INFO line on the `jakiro_jax` logger naming the program, the
+  batch and the cache size; a second call compiles nothing and logs nothing."""
+  import logging
+
+  target, drafter, params = tiny
+  prompts = random_prompts(np.random.RandomState(3), 97, [12, 30, 7])  # batch 3: new
+  slots = f"{batching.min_cache_class(rows=3):,}"
+  caplog.set_level(logging.INFO, logger="jakiro_jax")
+  runs = [(generate(target, drafter, params, prompts, 8), generate_ar(target, prompts, 8))
+          for _ in range(2)]
+  (spec, ar), (spec_again, ar_again) = runs
+  for first, again in ((spec, spec_again), (ar, ar_again)):
+    assert first.tokens == again.tokens
+    assert first.compile_seconds > first.seconds > 0  # a tiny model: the compile dominates
+    assert again.compile_seconds == 0.0
+    assert first.tokens_per_s == first.num_tokens / first.seconds
+  lines = [r.getMessage() for r in caplog.records if r.name == "jakiro_jax"]
+  assert [line.split(" in ")[0] for line in lines] == [
+      f"compiled the speculative loop (eagle2, 4 verified nodes, greedy) for batch 3, "
+      f"{slots} cache slots",
+      f"compiled the AR loop (greedy) for batch 3, {slots} cache slots"]
+  assert lines[0].endswith("; later calls of that batch and cache size reuse it")
+
+
 @pytest.mark.parametrize("chunks", [(64,), (128, 64)])
 def test_chunked_prefill_equals_the_whole_prompt_prefill(tiny, chunks):
   """Logits and every prompt position's features of the chunked prefill are those of the

@@ -7,7 +7,6 @@ speculative loop and is kept as fast as we can make it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Sequence
 
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.compile_cache import kept_call
+from jakiro_jax.compile_cache import log_ready, prepare_call
 from jakiro_jax.models.config import LlamaConfig
 from jakiro_jax.models.kv_cache import KVCache, causal_mask
 from jakiro_jax.models.llama import Llama, check_feature_layers, new_cache
@@ -273,13 +272,16 @@ def ar_shardings(params_shardings, cache_shardings, batch: int, mesh,
 
 @dataclasses.dataclass
 class GenerationOutput:
-  """Generated tokens per row (stop token included when hit) and timing."""
+  """Generated tokens per row (stop token included when hit) and the call's time:
+  `seconds` runs the loop (prefill, decode steps) and fetches its output,
+  `compile_seconds` came before it (as `SpecOutput`'s; `tokens_per_s` leaves it out)."""
   tokens: list[list[int]]
-  seconds: float  # wall time of the jitted call, compilation excluded when warm
+  seconds: float
   steps: int  # target forwards after prefill
   # With `feature_layers`: per row `[prompt + output tokens, W]` (numpy), the features a
   # forward over the whole sequence gives, collected inside the loop.
   features: list[np.ndarray] | None = None
+  compile_seconds: float = 0.0
 
   @property
   def num_tokens(self) -> int:
@@ -335,7 +337,7 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
   inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
             jnp.asarray(batch.budgets), jax.random.PRNGKey(seed))
   if mesh is None:
-    run = functools.partial(kept_call, ar_generate_jit, "ar_loop", static)
+    jitted = ar_generate_jit
     params = target.params
     cache = new_cache(target.config, size, batch.max_len)
   else:
@@ -347,10 +349,15 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
                                                features=feature_layers is not None)
     params = jax.device_put(target.params, params_shardings)
     inputs = jax.device_put(inputs, in_shardings[1:5])
-    run = sharding.jit_with_shardings(_ar_loop, static, in_shardings, out_shardings,
-                                      donate_argnums=(5,))  # the cache
+    jitted = sharding.jit_with_shardings(_ar_loop, static, in_shardings, out_shardings,
+                                         donate_argnums=(5,))  # the cache
+    static = {}  # bound in `jitted`
+  args = (params, *inputs, cache)
+  ready = prepare_call(jitted, "ar_loop", static, *args, keep=mesh is None)
+  log_ready(ready, f"the AR loop ({sampling.describe()}"
+            f"{', with features' if feature_layers is not None else ''})", size, batch.max_len)
   start = time.perf_counter()
-  state = run(params, *inputs, cache)
+  state = ready.run(*args)
   prompt_features = None
   if feature_layers is not None:
     state, prompt_features = state
@@ -365,4 +372,4 @@ def generate_ar(target, prompts: Sequence[Sequence[int]],
                 for i, (p, n) in enumerate(zip(batch.lengths, counts))]
   seconds = time.perf_counter() - start
   return GenerationOutput([list(map(int, t[:n])) for t, n in zip(tokens, counts)],
-                          seconds, int(steps) - 1, features)
+                          seconds, int(steps) - 1, features, ready.seconds)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jakiro_jax.compile_cache import kept_call
+from jakiro_jax.compile_cache import log_ready, prepare_call
 from jakiro_jax.speculative.drafter import (RoundInputs, TargetHead, feature_layers_of,
                                             lookup_tokens, round_max_path, verified_nodes)
 from jakiro_jax.speculative.lookup_chain import LOOKUP_MAX_NGRAM, lookup_proposal, with_chain
@@ -287,10 +287,14 @@ def speculative_shardings(target_shardings, draft_shardings, target_cache_shardi
 
 @dataclasses.dataclass
 class SpecOutput:
-  """Generated tokens per row and the round statistics."""
+  """Generated tokens per row, the round statistics and the call's time: `seconds` runs
+  the loop (prefill, rounds) and fetches its tokens, `compile_seconds` came before it
+  (tracing and compiling the loop on a first call, reading it back in a new process, 0
+  once this process holds it; `tokens_per_s` leaves it out)."""
   tokens: list[list[int]]
   seconds: float
   accept_lens: list[list[int]]  # per row, drafted tokens accepted in each of its rounds
+  compile_seconds: float = 0.0
 
   @property
   def num_tokens(self) -> int:
@@ -348,7 +352,7 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
   make_target_cache = lambda: new_cache(target.config, size, batch.max_len)  # noqa: E731
   make_draft_cache = lambda: drafter.new_cache(size, batch.max_len)  # noqa: E731
   if mesh is None:
-    run = functools.partial(kept_call, speculative_generate_jit, "speculative_loop", static)
+    jitted = speculative_generate_jit
     weights = (target.params, draft_params)
     caches = (make_target_cache(), make_draft_cache())
   else:
@@ -363,17 +367,22 @@ def generate(target, drafter, draft_params, prompts: Sequence[Sequence[int]],
     weights = jax.device_put((target.params, draft_params), weight_shardings)
     inputs = jax.device_put(inputs, in_shardings[2:6])
     caches = (target_cache, draft_cache)
-    run = sharding.jit_with_shardings(_speculative_loop, static, in_shardings,
-                                      out_shardings, donate_argnums=(6, 7))  # the caches
+    jitted = sharding.jit_with_shardings(_speculative_loop, static, in_shardings,
+                                         out_shardings, donate_argnums=(6, 7))  # the caches
+    static = {}  # bound in `jitted`
+  args = (*weights, *inputs, *caches)
+  ready = prepare_call(jitted, "speculative_loop", static, *args, keep=mesh is None)
+  log_ready(ready, f"the speculative loop ({drafter.name}, {target_extra} verified nodes, "
+            f"{sampling.describe()})", size, batch.max_len)
   start = time.perf_counter()
-  state = run(*weights, *inputs, *caches)
+  state = ready.run(*args)
   # Rows may live on other processes (a mesh whose batch axes span hosts): every process
   # gathers them all, as the AR loop does.
   fetch = jax.device_get if mesh is None else sharding.to_host
   tokens, counts, accepts = fetch((state.tokens, state.num_generated, state.accept_lens))
   seconds = time.perf_counter() - start
   return SpecOutput([list(map(int, t[:n])) for t, n in zip(tokens, counts)], seconds,
-                    [[int(a) for a in row if a >= 0] for row in accepts])
+                    [[int(a) for a in row if a >= 0] for row in accepts], ready.seconds)
 
 
 # Fields of the drafter's `target_config` that must equal the target's: the drafter runs

@@ -32,6 +32,14 @@ class SamplingConfig:
   def greedy(self) -> bool:
     return self.temperature == 0.0
 
+  def describe(self) -> str:
+    """"greedy", or the settings that sample ("temperature 0.7, top_p 0.9")."""
+    if self.greedy:
+      return "greedy"
+    return ", ".join([f"temperature {self.temperature:g}"]
+                     + [f"top_p {self.top_p:g}"] * (self.top_p < 1.0)
+                     + [f"top_k {self.top_k}"] * (self.top_k > 0))
+
 
 def target_probs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
   """`[..., V]` logits -> `[..., V]` fp32 probabilities after temperature/top-k/top-p."""
