@@ -301,7 +301,10 @@ def cache_path(target, method: str, draft_id: str, sampling: SamplingConfig,
   a retrained draft (other weights) or the CPU's small-row matmul on, off or rebuilt from
   other source (other round costs) is another entry."""
   kind, platform = device_description()
-  config_text = json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str)
+  fields = dataclasses.asdict(target.config)
+  if not fields.get("qk_norm"):  # the default, from before the field: same key
+    fields.pop("qk_norm", None)
+  config_text = json.dumps(fields, sort_keys=True, default=str)
   weights = draft_weights_digest(draft_directory(target.name, method, draft_id))
   matmul = (["small_rows", small_rows.build_digest()]
             if platform == "cpu" and small_rows.available() else [])
@@ -329,7 +332,10 @@ def prior_key(target, method: str, weights: dict | None, prompts: Sequence[Seque
               max_new_tokens: int, sampling: SamplingConfig, seed: int) -> dict:
   """What a calibrated tau depends on besides the tree and the drafter's options: a prior
   applies only where every field is equal."""
-  config_text = json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str)
+  fields = dataclasses.asdict(target.config)
+  if not fields.get("qk_norm"):  # the default, from before the field: same key
+    fields.pop("qk_norm", None)
+  config_text = json.dumps(fields, sort_keys=True, default=str)
   return {"format": PRIOR_FORMAT, "grid_version": GRID_VERSION, "method": method,
           "draft_sha256": weights, "target": target.name,
           "target_config_sha256": _digest(config_text), "dtype": str(target.config.dtype),

@@ -229,12 +229,15 @@ def test_loop_features_equal_a_second_forward(smollm2, complete_set, tmp_path):
 def test_fixed_shapes_compile_the_generation_loop_once(smollm2, complete_set, tmp_path):
   """With fixed shapes, shards of 2 and 1 prompts of any lengths run one compiled loop,
   and the set holds the same conversations and features."""
+  from jakiro_jax.compile_cache import CompileTime
   from jakiro_jax.speculative import autoregressive
   autoregressive.ar_generate_jit.clear_cache()
   fixed = tmp_path / "fixed"
-  make_feature_set(smollm2, PROMPTS, fixed, dataclasses.replace(SETTINGS, fixed_shapes=True),
-                   progress=False)
-  assert autoregressive.ar_generate_jit._cache_size() == 1
+  with CompileTime() as compiled:
+    make_feature_set(smollm2, PROMPTS, fixed,
+                     dataclasses.replace(SETTINGS, fixed_shapes=True), progress=False)
+  # The loops compile ahead of their call: one trace of the AR loop is one program.
+  assert compiled.traced.count(autoregressive._ar_loop.__name__) == 1, compiled.traced
   got, _ = rows(complete_set)
   fixed_rows, _ = rows(fixed)
   assert len(fixed_rows) == len(got)
