@@ -108,7 +108,11 @@ def test_the_guides_pages_with_python_are_these():
   assert [_rel(p) for p in RUN_PAGES] == ["README.md", "docs/notebook.md"]
 
 
-@pytest.mark.parametrize("page", RUN_PAGES, ids=_rel)
+# The API guide's blocks (several targets, methods and trees, ~2 minutes) run with -m
+# slow; the README's, and the notebooks (tests/test_notebooks.py), run every time.
+@pytest.mark.parametrize("page", [
+    pytest.param(p, marks=pytest.mark.slow) if _rel(p) == "docs/notebook.md" else p
+    for p in RUN_PAGES], ids=_rel)
 def test_the_python_blocks_run_in_a_fresh_process(page, compile_cache, tmp_path):
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "JAKIRO_JAX_MIN_CACHE_SLOTS", "OMP_NUM_THREADS")

@@ -99,7 +99,10 @@ def total_variation(p, q):
     # every other registered method on a small tree of its own grid (Jakiro*'s verifier
     # has its own tests below)
     *[(m, SamplingConfig(temperature=1.0)) for m in names()
-      if m not in ("eagle2", "jakiro", "gumiho", "jakiro_star")],
+      if m not in ("eagle2", "jakiro", "gumiho", "jakiro_star", "dflash")],
+    # DFlash's chain is a fixed proposal as lookup's is; its tree has its own T = 1 test
+    # (test_dflash.py): this bound with -m slow
+    pytest.param("dflash", SamplingConfig(temperature=1.0), marks=pytest.mark.slow),
 ])
 def test_speculative_sampling_matches_target(small_vocab_target, method, sampling):
   target = small_vocab_target
