@@ -440,7 +440,9 @@ def test_dflash_trains_online_and_its_draft_loads(tiny_target, feature_set, tmp_
       "target": target_dir, "batch_size": 4, "max_len": 64, "lr": 3e-3, "warmup_steps": 2,
       "log_every": 4, "eval_every": 0, "eval_rows": 2, "progress": False, "num_steps": 16,
       "save_every": 100, "drafts.dflash.block_size": 4, "drafts.dflash.num_layers": 1,
-      "loss.anchors": 8})
+      # layer 0's output: the draft's streams then hold no final norm, which validation
+      # reads besides them (`training_feature_layers`)
+      "drafts.dflash.target_layer_ids": (0,), "loss.anchors": 8})
   result = train(config, data_dir, tmp_path / "run")
   losses = [h["loss"] for h in result.history]
   assert len(losses) == 4 and losses[-1] < 0.9 * losses[0], losses
@@ -449,6 +451,7 @@ def test_dflash_trains_online_and_its_draft_loads(tiny_target, feature_set, tmp_
   from jakiro_jax.drafts.io import load_draft
   drafter, loaded = load_draft(tmp_path / "run" / "draft", target)
   assert drafter.name == "dflash" and drafter.block_size == 4 and drafter.num_layers == 1
+  assert drafter.feature_layers == (1,) and drafter.training_feature_layers == (1, -1)
   np.testing.assert_allclose(loaded["params"]["fc"], result.params["params"]["fc"],
                              atol=2e-3, rtol=2e-3)
 

@@ -345,6 +345,14 @@ class DFlashDrafter:
     return tuple(-1 if i == last else i + 1 for i in self.layer_ids)
 
   @property
+  def training_feature_layers(self) -> tuple[int, ...]:
+    """The streams training reads: `feature_layers`, then the final norm's output (-1),
+    which validation scores the drafts against (already there when the last layer's
+    output is one of the fused ones)."""
+    layers = self.feature_layers
+    return layers if -1 in layers else layers + (-1,)
+
+  @property
   def layer_ids(self) -> tuple[int, ...]:
     return self.target_layer_ids
 
@@ -473,8 +481,8 @@ class DFlashDrafter:
 
   def draft_features(self, features):
     """Stored / online training features `[..., F]` (`training_feature_layers`) -> what
-    the draft reads: all of them."""
-    return features
+    the draft reads: the fused layers, which come first."""
+    return features[..., :len(self.feature_layers) * self.target_config.hidden_size]
 
   def objective(self, params, head: TargetHead, batch, epoch, settings):
     """DFlash's loss: `settings.anchors` blocks per row at random anchors (drawn from
@@ -485,10 +493,10 @@ class DFlashDrafter:
     if head.lm_head.shape[0] != vocab:
       raise ValueError("dflash trains against the target's whole lm_head (set "
                        "vocab_subset=0): its labels are the data's tokens")
-    width = len(self.feature_layers) * self.target_config.hidden_size
+    width = len(self.training_feature_layers) * self.target_config.hidden_size
     if batch.features.shape[-1] != width:
       raise ValueError(f"dflash trains on target features of width {width} (layers "
-                       f"{list(self.feature_layers)}), got {batch.features.shape[-1]}")
+                       f"{list(self.training_feature_layers)}), got {batch.features.shape[-1]}")
     q = self.block_size
     mask = batch.loss_mask
     length = mask.shape[1]
