@@ -1,7 +1,7 @@
 """Greedy DFlash generation by the OFFICIAL z-lab/dflash code, on the CPU in fp32, for our
 parity tests (a script, not a test module: pytest does not collect it).
 
-  python tests/dflash_reference.py --dflash_repo /work/ref/dflash --out DIR \
+  python tests/dflash_reference.py --dflash_repo DFLASH_DIR --out DIR \
       [--seed 0] [--block_size 4] [--new_tokens 24] [--threads 1]
 
 --dflash_repo (default: env DFLASH_REPO) is a plain checkout of https://github.com/z-lab/dflash
@@ -64,7 +64,7 @@ KNOWN_MODEL_PY = {
         "44947fbf71114e241c96de194f4b382b5dd330d0",
 }
 REPO_HINT = ("a checkout of https://github.com/z-lab/dflash (e.g. `git archive 44947fb | tar -x "
-             "-C /work/ref/dflash`), given as --dflash_repo DIR or env DFLASH_REPO; DIR must "
+             "-C DIR`), given as --dflash_repo DIR or env DFLASH_REPO; DIR must "
              "hold dflash/model.py")
 
 TARGET = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
