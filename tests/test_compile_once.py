@@ -116,12 +116,15 @@ def test_a_first_call_times_its_compile_apart_and_says_so_once(tiny, caplog):
   assert lines[0].endswith("; later calls of that batch and cache size reuse it")
 
 
-@pytest.mark.parametrize("chunks", [(64,), (128, 64)])
-def test_chunked_prefill_equals_the_whole_prompt_prefill(tiny, chunks):
+@pytest.mark.parametrize("chunks,runs", [
+    ((64,), [(0, 64), (64, 64), (128, 64), (192, 64)]),
+    ((128, 64), [(0, 128), (128, 64), (192, 64)]),  # 72 left: under 2/3 of 128
+    ((256, 64, 16), [(0, 256)])])
+def test_chunked_prefill_equals_the_whole_prompt_prefill(tiny, chunks, runs):
   """Logits and every prompt position's features of the chunked prefill are those of the
   one-shot prefill (to float rounding), for rows ending in different chunks, with one
-  chunk width or a wide one before the narrow; the draft's hook sees the narrow chunks in
-  order, once each, whatever width computed them."""
+  chunk width or wide ones before the narrow; the draft's hook sees each chunk once, in
+  order, with its width; a wider chunk runs while two thirds of it are prompt."""
   from jakiro_jax.models.llama import Llama, new_cache
   from jakiro_jax.speculative.autoregressive import chunked_prefill, prefill
 
@@ -145,14 +148,24 @@ def test_chunked_prefill_equals_the_whole_prompt_prefill(tiny, chunks):
                                rtol=1e-5, atol=1e-5)
   assert list(cache.lengths) == list(lengths)
 
-  def record(start, features, starts):  # each narrow chunk's first slot, in order
-    assert features.shape == (4, 64, kept.shape[-1])
-    return jnp.concatenate([starts[1:], start[None]])
-  starts = jax.jit(lambda p, t, n, c: chunked_prefill(
-      model, p, t, n, c, chunks, on_chunk=record, carry=jnp.full((4,), -1, jnp.int32))[3])(
-          target.params, prompt, lengths, new_cache(TINY, 4, 256))
-  assert list(starts) == [0, 64, 128, 192]  # 200 tokens: four narrow chunks
-  with pytest.raises(ValueError, match="whole chunks of 64"):
+  def record(start, features, seen):  # (first slot, width) of each chunk, in order
+    assert features.shape[::2] == (4, kept.shape[-1])
+    return jnp.concatenate([seen[1:], jnp.stack([start, features.shape[1]])[None]])
+
+  def chunk_runs(lengths, width):
+    seen = jax.jit(lambda p, t, n, c: chunked_prefill(
+        model, p, t, n, c, chunks, on_chunk=record,
+        carry=jnp.full((8, 2), -1, jnp.int32))[3])(
+            target.params, prompt[:, :width], lengths, new_cache(TINY, 4, 256))
+    return [tuple(map(int, r)) for r in seen if r[0] >= 0]
+
+  assert chunk_runs(lengths, 256) == runs
+  if chunks == (256, 64, 16):  # 70 tokens: a chunk of 64, then one of 16 for the last 6
+    assert chunk_runs(np.array([5, 70, 1, 1], np.int32), 256) == [(0, 64), (64, 16)]
+    # 100 tokens in 112 slots: no chunk of 256 past them, two of 64 would not fit either
+    assert chunk_runs(np.array([100, 1, 1, 1], np.int32), 112) == [
+        (0, 64), (64, 16), (80, 16), (96, 16)]
+  with pytest.raises(ValueError, match=f"whole chunks of {chunks[-1]}"):
     chunked_prefill(model, target.params, prompt[:, :100], lengths, new_cache(TINY, 4, 256),
                     chunks)
   with pytest.raises(ValueError, match="widest first"):

@@ -72,18 +72,21 @@ def chunked_prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax
   prompt length up to W (a whole number of the narrowest chunks, at most the cache's
   slots).
 
-  `chunks`: the widths, widest first, each a whole number of the last (narrowest) one;
-  e.g. (256, 64): a 769-token prompt takes three chunks of 256 and one of 64. Each width
-  runs while what is left (in narrow chunks) fills one: every width computes the tokens
-  the narrow chunks would, and a wider chunk reads the weights once for more of them (on
-  a CPU, 13 chunks of 64 took 25% longer than one forward of 832 tokens:
-  `benchmarks/prefill_chunks_bench.py`).
+  `chunks`: the widths, widest first, each a whole number of the last (narrowest) one.
+  A wider width runs while at least two thirds of it are prompt still to compute (and it
+  fits in W), the narrowest until the prompt is done; e.g. with (256, 16) a 769-token
+  prompt takes three chunks of 256 and one of 16, a 200-token one a chunk of 256, a
+  69-token one five of 16. A wider chunk reads the weights once for more tokens, so it
+  costs less than the narrower ones it replaces even with padding at its end (SmolLM2
+  on a 2-core CPU: one of 256 about what 8 or 9 of 16 cost;
+  `benchmarks/prefill_chunks_bench.py`). Which chunks run depends only on the longest
+  row's length, so every loop prefills a batch alike.
 
   A chunk starting at slot s writes slots s.. of every row (past a row's length:
   padding, never read: the masks stop at `lengths`, and later tokens overwrite those
   slots before reading them). `on_chunk(start, features [B, n, F], carry) -> carry` sees
-  the features (`Llama.feature_layers`) narrow chunk by narrow chunk (n the narrowest
-  width, `start` its first slot), whatever width computed them. Returns `(logits [B, V]
+  each chunk's features (`Llama.feature_layers`; n its width, `start` its first slot; a
+  chunk always starts within the longest prompt). Returns `(logits [B, V]
   and features [B, F] at each row's last prompt token, cache with lengths =
   prompt_lengths, carry)`; with `keep_features` the carry is every prompt slot's features
   `[B, W, F]` instead.
@@ -116,10 +119,7 @@ def chunked_prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax
       logits = jnp.where(ends_here[:, None], chunk_logits, logits)
       last_features = jnp.where(ends_here[:, None], features[rows, at], last_features)
       if on_chunk is not None:
-        def feed(j, carry):
-          narrow_features = jax.lax.dynamic_slice_in_dim(features, j * narrow, narrow, 1)
-          return on_chunk(start + j * narrow, narrow_features, carry)
-        carry = jax.lax.fori_loop(0, chunk // narrow, feed, carry)
+        carry = on_chunk(start, features, carry)
       return logits, last_features, cache, carry
     return run
 
@@ -135,15 +135,18 @@ def chunked_prefill(model: Llama, params, prompt: jax.Array, prompt_lengths: jax
     state = (*state[:3], jnp.zeros((batch, width, width_features), features_shape.dtype))
     on_chunk = lambda start, features, kept: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
         kept, features.astype(kept.dtype), start, axis=1)
-  left = (jnp.max(prompt_lengths) + narrow - 1) // narrow  # narrow chunks still to run
+  longest = jnp.max(prompt_lengths)
   filled = jnp.int32(0)  # slots the wider chunks wrote
   for chunk in widths:
-    count = left // (chunk // narrow)
+    left = jnp.maximum(longest - filled, 0)  # prompt tokens still to compute
+    if chunk == narrow:
+      count = (left + chunk - 1) // chunk
+    else:  # chunks at least two thirds prompt, never past the prompt's W slots
+      count = jnp.minimum((left + chunk // 3) // chunk, (width - filled) // chunk)
     state = jax.lax.fori_loop(
         0, count, lambda i, s, run=chunk_at(chunk), first=filled, chunk=chunk:
         run(first + i * chunk, s), state)
     filled = filled + count * chunk
-    left = left - count * (chunk // narrow)
   logits, last_features, cache, carry = state
   return logits, last_features, cache.replace(lengths=prompt_lengths), carry
 

@@ -39,14 +39,18 @@ MIN_CACHE_SLOTS_ENV = "JAKIRO_JAX_MIN_CACHE_SLOTS"
 # Batches of more rows start the ladder lower (halved for each doubling of the rows, down
 # to one prefill chunk): 10^4 rows of 3 new tokens each do not pad to 512 slots.
 FULL_RUNG_ROWS = 8
-# Prompt tokens per prefill chunk, widest first (`autoregressive.chunked_prefill`): on a
-# CPU a forward costs about its tokens, and a chat prompt is under 64, but each chunk
-# reads the weights again: a long prompt goes 256 tokens at a time (SmolLM2, a 769-token
-# prompt, 2-core CPU, `python -m benchmarks.prefill_chunks_bench --ladders=64,256,256/64`:
-# 13 chunks of 64 2.07 s, 4 of 256 1.99 s, 3 of 256 and 1 of 64 1.58 s, one forward of
-# 832 tokens 1.65 s). An accelerator's matmul units want wide chunks; one width keeps
-# its loop's compile short.
-CPU_PREFILL_CHUNKS = (256, 64)
+# Prompt tokens per prefill chunk, widest first (`autoregressive.chunked_prefill`: a wider
+# chunk while two thirds of it are prompt, then the narrowest to the end). On a CPU a
+# forward costs about its tokens, but each chunk reads the weights again, and a chat
+# prompt rarely fills a chunk of 64: SmolLM2 on a 2-core CPU, the first three prompts of
+# each evaluation file (37-769 tokens), prefill seconds summed over the 15, alternated:
+# (256, 64) 8.18, (256, 32) 7.91, (256, 16) 7.85, (256, 64, 16) 7.68; a 69-token prompt
+# 0.374, 0.342, 0.287 and 0.251 (`python -m benchmarks.prefill_chunks_bench
+# --ladders=256/64,256/16,256/32,256/64/16 --questions=... --max_questions=3
+# --repeats=3`). A third width is a third forward in each loop (+24% compile), so two.
+# An accelerator's matmul units want wide chunks; one width keeps its loop's compile short.
+CPU_PREFILL_CHUNKS = (256, 16)
+MIN_SLOTS = 64  # the smallest rung, whatever the chunks
 ACCELERATOR_PREFILL_CHUNKS = (256,)
 
 
@@ -67,27 +71,32 @@ def prompt_bucket(length: int) -> int:
 def min_cache_class(platform: str | None = None, rows: int = 1) -> int:
   """The cache ladder's first rung on `platform` (default: JAX's default backend) for a
   batch of `rows`: the platform's (`_first_rung`) up to
-  `FULL_RUNG_ROWS` rows, halved for each doubling past them, never under one prefill
-  chunk (the platform's)."""
+  `FULL_RUNG_ROWS` rows, halved for each doubling past them, never under `MIN_SLOTS`
+  nor one prefill chunk (the platform's)."""
   if platform is None:
     import jax
     platform = jax.default_backend()
   full = size = _first_rung(platform)
-  while size > prefill_chunk(platform) and rows * size > FULL_RUNG_ROWS * full:
+  while size > floor_slots(platform) and rows * size > FULL_RUNG_ROWS * full:
     size //= 2
   return size
 
 
 def _first_rung(platform: str) -> int:
   """The platform's first rung (`CPU_MIN_CACHE_CLASS`, `MIN_CACHE_CLASS`), or the
-  environment's power of two (at least one chunk)."""
+  environment's power of two (at least `floor_slots`)."""
   chosen = os.environ.get(MIN_CACHE_SLOTS_ENV, "").strip()
   if not chosen:
     return CPU_MIN_CACHE_CLASS if platform == "cpu" else MIN_CACHE_CLASS
   if not chosen.isdigit() or int(chosen) < 1 or int(chosen) & (int(chosen) - 1):
     raise ValueError(f"{MIN_CACHE_SLOTS_ENV}={chosen!r}: the cache ladder's first rung is "
                      f"a power of two (e.g. 256)")
-  return max(int(chosen), prefill_chunk(platform))
+  return max(int(chosen), floor_slots(platform))
+
+
+def floor_slots(platform: str) -> int:
+  """The fewest cache slots of any rung: `MIN_SLOTS`, or one prefill chunk if wider."""
+  return max(MIN_SLOTS, prefill_chunk(platform))
 
 
 def cache_class(slots: int, platform: str | None = None, rows: int = 1) -> int:

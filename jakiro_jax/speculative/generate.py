@@ -207,7 +207,7 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
   `prefill_fn`: the target's prefill in place of the dense one (`target_prefill`); the
   drafts then read the features it returns. `prefill_chunks`: the dense prefill in chunks
   of these widths (`chunked_prefill`, P a whole number of the narrowest; the draft reads
-  the pairs a narrow chunk at a time as they come), else over the whole prompt at once.
+  each chunk's pairs as they come), else over the whole prompt at once.
 
   The target runs with `target_config` (the target's own), never the drafter's
   `target_config`: a drafter built for another config would otherwise change the target.
@@ -228,14 +228,13 @@ def _speculative_loop(target_params, draft_params, prompt, prompt_lengths, budge
         drafter, draft_params, head, shifted, features, prompt_lengths,
         draft_cache.replace(lengths=jnp.zeros((batch,), jnp.int32)))
   else:
-    narrow = prefill_chunks[-1]
-
     def feed_draft(start, features, cache):
       # The chunk's pairs before each row's last, whose token (the root) comes after.
-      count = jnp.clip(prompt_lengths - 1 - start, 0, narrow)
+      width = features.shape[1]
+      count = jnp.clip(prompt_lengths - 1 - start, 0, width)
       _, cache = draft_context(
           drafter, draft_params, head,
-          jax.lax.dynamic_slice_in_dim(shifted, start, narrow, axis=1), features,
+          jax.lax.dynamic_slice_in_dim(shifted, start, width, axis=1), features,
           count, cache.replace(lengths=jnp.full((batch,), start, jnp.int32)))
       return cache
 
