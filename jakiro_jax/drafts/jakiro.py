@@ -126,9 +126,13 @@ class JakiroDrafter(Eagle2Drafter):
       return super().tree_step(i, frontier, inputs, state)
     if i == depth - 2:  # one forward, two levels
       out, cache = inputs.run_forward(i, frontier, state.cache)
-      right_logp = self.ranked_log_probs(inputs.head, out.right)  # rows: this frontier
-      return (self.ranked_log_probs(inputs.head, out.left), out.left,
-              state.replace(cache=cache, right_logp=right_logp))
+      # Both experts' rows through the head at once: its weights read once, not twice
+      # (each row's log-probs are the same either way).
+      rows = out.left.shape[-2]
+      both = self.ranked_log_probs(inputs.head,
+                                   jnp.concatenate([out.left, out.right], axis=-2))
+      left_logp, right_logp = both[..., :rows, :], both[..., rows:, :]  # rows: this frontier
+      return left_logp, out.left, state.replace(cache=cache, right_logp=right_logp)
     # i == depth - 1: no forward. Level D+1 hangs under the level-D frontier; its
     # distribution came from each node's parent row at the previous step.
     right_logp = state.right_logp
