@@ -52,3 +52,42 @@ def test_thunk_times_sum_by_part_leaving_out_control_flow(tmp_path):
   totals = profile_round.thunk_ms(str(tmp_path), names)
   assert dict(totals) == {"verify: target forward over the tree": 4.0,
                           "draft head (log-probs over the draft vocabulary)": 0.5}
+
+
+def test_the_ar_loops_steps_and_the_kernels_are_found_by_name(tmp_path):
+  """The AR loop's steps carry the `ar_step` scope (its prefill does not); custom calls are
+  read with their output shapes, summed under a scope, and labelled without the rows."""
+  from jakiro_jax.speculative.autoregressive import ar_generate_jit
+
+  batch = prepare_batch(TINY, [[5, 6, 7]], 8, chunk=64)
+  text = ar_generate_jit.lower(
+      init_params(TINY, jax.random.PRNGKey(0)), jnp.asarray(batch.tokens),
+      jnp.asarray(batch.lengths), jnp.asarray(batch.budgets), jax.random.PRNGKey(0),
+      new_cache(TINY, 1, batch.max_len), config=TINY, max_new_tokens=output_columns(batch),
+      sampling=SamplingConfig(), stop_ids=(3,), pad_id=0, prefill_chunks=(64,)
+  ).compile().as_text()
+  scopes = [n for n in profile_round.op_names(text).values() if "Llama" in n]
+  assert any("ar_step" in n for n in scopes) and not all("ar_step" in n for n in scopes)
+
+  hlo = ('  %custom-call.7 = f32[5,3072]{1,0} custom-call(f32[5,576]{1,0} %x, f32[3072,576]'
+         '{1,0} %w), custom_call_target="jakiro_jax_small_row_matmul", metadata={op_name='
+         '"jit(loop)/while/body/spec_round/verify/Llama/mlp/ffi_call"}\n'
+         '  %fusion.2 = f32[5]{0} fusion(f32[5,576]{1,0} %x), kind=kLoop, metadata={op_name='
+         '"jit(loop)/while/body/spec_round/verify/Llama/add"}\n')
+  calls = profile_round.custom_calls(hlo)
+  assert calls == {"custom-call.7": "jakiro_jax_small_row_matmul f32[5,3072]"}
+  events = [{"ph": "X", "name": op, "dur": dur, "args": {"hlo_op": op}}
+            for op, dur in (("custom-call.7", 3000), ("custom-call.7", 1000),
+                            ("fusion.2", 500), ("while.1", 9000))]
+  (tmp_path / "run").mkdir()
+  with gzip.open(tmp_path / "run" / "host.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  totals = profile_round.kernel_ms(str(tmp_path), profile_round.op_names(hlo), calls,
+                                   "spec_round/verify")
+  assert dict(totals) == {"jakiro_jax_small_row_matmul f32[5,3072]": 4.0,
+                          "other XLA thunks": 0.5}
+  assert (profile_round.kernel_label("jakiro_jax_small_row_matmul f32[5,3072]")
+          == "jakiro_jax_small_row_matmul, 3072 outputs")
+  assert profile_round.kernel_label("jakiro_jax_cache_attention f32[1,5,3,3,64]") == (
+      "jakiro_jax_cache_attention")
+  assert profile_round.kernel_label("other XLA thunks") == "other XLA thunks"

@@ -487,3 +487,10 @@ def test_the_self_check_turns_to_ar_once_the_tree_runs_slower():
   strict = SelfCheck(min_speedup=1.2)
   strict.add(10, 1.0, 10, 1.1)  # 1.1x: wins, but not by the margin asked
   assert strict.loses
+  tie = SelfCheck()
+  tie.add(64, 1.0, 64, 0.98)  # 0.98x on one answer: within the timing noise
+  assert not tie.loses
+  tie.add(64, 1.0, 64, 0.98)  # still 0.98x over four: the noise allowed shrinks, 0.985
+  tie.add(64, 1.0, 64, 0.98)
+  tie.add(64, 1.0, 64, 0.98)
+  assert tie.loses

@@ -15,7 +15,10 @@ process (medians of --repeats):
   `speculative_round`: the draft's tree and its forwards, the draft head, top-k and tree
   building, the verify's target forward, acceptance, the commit, the draft's context
   forward, the loop's bookkeeping), in ms per round. Thunks may run two at a time on two
-  threads, so the column sums thread time, not wall time.
+  threads, so the column sums thread time, not wall time;
+- with --kernels, the verify's target forward against the AR loop's step by kernel: each
+  custom call (the small-row matmul by its output shape, the CPU attention kernel) and
+  the other XLA thunks together, ms per round and per step, from a trace of each loop.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 64, "New tokens of the timed answe
                             lower_bound=2)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Alternated timings of each program.",
                                 lower_bound=1)
+_KERNELS = flags.DEFINE_bool("kernels", False, "Also the verify against the AR step, "
+                             "by kernel.")
 
 # What a thunk was traced under, first match wins: (label, pattern in its op_name).
 CATEGORIES = (
@@ -83,21 +88,50 @@ def category(op_name: str | None) -> str | None:
   return OTHER
 
 
-def thunk_ms(trace_dir: str, module_names: dict[str, str]) -> dict[str, float]:
-  """ms summed per category over the leaf thunks of one profiler trace."""
+def custom_calls(hlo_text: str) -> dict[str, str]:
+  """HLO instruction name -> 'target shape' of each custom call, e.g.
+  'jakiro_jax_small_row_matmul f32[5,3072]'."""
+  calls = {}
+  for line in hlo_text.splitlines():
+    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+\[[\d,]*\]).*"
+                     r"custom_call_target=\"([^\"]+)\"", line)
+    if match:
+      calls[match.group(1)] = f"{match.group(3)} {match.group(2)}"
+  return calls
+
+
+def leaf_thunks(trace_dir: str):
+  """(HLO instruction, ms) of each leaf thunk of the newest profiler trace under
+  `trace_dir` (control flow left out: its thunks hold the others)."""
   files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
   if not files:
     raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
   with gzip.open(max(files, key=os.path.getmtime)) as f:
     events = json.load(f)["traceEvents"]
-  totals = collections.Counter()
   for event in events:
     op = (event.get("args") or {}).get("hlo_op")
-    if event.get("ph") != "X" or op is None or CONTROL.match(op):
-      continue
+    if event.get("ph") == "X" and op is not None and not CONTROL.match(op):
+      yield op, event["dur"] / 1e3
+
+
+def thunk_ms(trace_dir: str, module_names: dict[str, str]) -> dict[str, float]:
+  """ms summed per category over the leaf thunks of one profiler trace."""
+  totals = collections.Counter()
+  for op, ms in leaf_thunks(trace_dir):
     label = category(module_names.get(op))
     if label is not None:
-      totals[label] += event["dur"] / 1e3
+      totals[label] += ms
+  return totals
+
+
+def kernel_ms(trace_dir: str, module_names: dict[str, str], calls: dict[str, str],
+              scope: str) -> dict[str, float]:
+  """ms summed per custom call ('target shape') over the leaf thunks traced under
+  `scope`, the other thunks under `scope` as 'other XLA thunks'."""
+  totals = collections.Counter()
+  for op, ms in leaf_thunks(trace_dir):
+    if scope in (module_names.get(op) or ""):
+      totals[calls.get(op, "other XLA thunks")] += ms
   return totals
 
 
@@ -174,6 +208,59 @@ def main(argv):
     ms = totals.get(label, 0.0) / traced_rounds
     print(f"| {label} | {ms:.2f} | {totals.get(label, 0.0) / whole:.0%} |")
   print(f"| all | {whole / traced_rounds:.2f} | |")
+  if _KERNELS.value:
+    verify = kernel_ms(trace_dir, names, executables_text(loop)[1], "spec_round/verify")
+    by_kernel(runs["ar", new], len(outputs["ar", new].tokens[0]), verify, traced_rounds)
+
+
+def executables_text(executables) -> tuple[dict[str, str], dict[str, str]]:
+  """(`op_names`, `custom_calls`) over the executables' optimized modules."""
+  names, calls = {}, {}
+  for executable in executables:
+    text = executable.as_text()
+    names.update(op_names(text))
+    calls.update(custom_calls(text))
+  return names, calls
+
+
+def kernel_label(key: str) -> str:
+  """A custom call without the row count: a matmul by its outputs, e.g.
+  'jakiro_jax_small_row_matmul f32[5,3072]' -> 'jakiro_jax_small_row_matmul, 3072 outputs'."""
+  target, _, shape = key.partition(" ")
+  if "[" not in shape:  # not a custom call
+    return key
+  if "matmul" in target:
+    return f"{target}, {shape.rstrip(']').split(',')[-1]} outputs"
+  return target
+
+
+def by_kernel(ar_run, ar_tokens: int, verify: dict[str, float], rounds: int) -> None:
+  """Prints the verify's thunks per round against the AR step's per step, by kernel."""
+  import jax
+
+  from jakiro_jax import compile_cache
+
+  ar_names, ar_calls = executables_text(compile_cache.kept_executables("ar_loop"))
+  trace_dir = tempfile.mkdtemp(prefix="profile_round_ar_")
+  calls = 3
+  with jax.profiler.trace(trace_dir):
+    for _ in range(calls):
+      ar_run()
+  steps = calls * (ar_tokens - 1)
+  table = collections.defaultdict(lambda: [0.0, 0.0])
+  for key, ms in kernel_ms(trace_dir, ar_names, ar_calls, "ar_step").items():
+    table[kernel_label(key)][0] += ms / steps
+  for key, ms in verify.items():
+    table[kernel_label(key)][1] += ms / rounds
+  print(f"\nthe verify's target forward (ms per round) against the AR loop's step (ms per "
+        f"step, {steps} steps), by kernel, profiled:\n")
+  print("| kernel | AR step | verify | verify / step |")
+  print("|---|---|---|---|")
+  for key, (step, round_) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+    ratio = f"{round_ / step:.2f}" if step else "-"
+    print(f"| {key} | {step:.2f} | {round_:.2f} | {ratio} |")
+  step, round_ = (sum(column) for column in zip(*table.values()))
+  print(f"| all | {step:.2f} | {round_:.2f} | {round_ / step:.2f} |")
 
 
 if __name__ == "__main__":
