@@ -15,8 +15,7 @@ forward) and the speedup. The draft is the one shipped for the config's target (
 calibration set, cached per device, target, method, draft, dtype and sampling). If no tree
 beats the AR loop, it says so and decodes with AR; and once the tuned tree's answers so
 far run slower than the AR loop's by more than timing noise (`tree_tuning.SelfCheck`), the
-other prompts decode with
-the AR loop, and the job says so. --tree=config takes the config's tree;
+other prompts decode with the AR loop, and the job says so. --tree=config takes the config's tree;
 --tree=TOP_K,DEPTH,TOTAL_TOKENS a given one. With a shipped draft at T = 0 the tau of each
 tree comes from the draft's `tuning_prior.json` (written by --write_tuning_prior), so a
 first run times a few target forwards instead of calibrating every tree.

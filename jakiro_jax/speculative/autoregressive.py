@@ -234,21 +234,18 @@ def _ar_loop(params, prompt: jax.Array, prompt_lengths: jax.Array,
 
   def body(s: ARState):
     with jax.named_scope("ar_step"):  # what a profile of the loop counts as its steps
-      return step(s)
-
-  def step(s: ARState):
-    logits, fed, cache = feed(s)
-    token = sample_token(jax.random.fold_in(rng, s.step), logits, sampling)
-    active = ~s.done
-    num_generated = s.num_generated + active
-    return ARState(
-        step=s.step + 1,
-        last_token=token,
-        tokens=s.tokens.at[:, s.step].set(jnp.where(active, token, pad_id)),
-        num_generated=num_generated,
-        done=s.done | is_stop_token(token, stop_ids) | (num_generated >= budgets),
-        cache=cache.replace(lengths=s.cache.lengths + active),
-        features=with_features(s, fed))
+      logits, fed, cache = feed(s)
+      token = sample_token(jax.random.fold_in(rng, s.step), logits, sampling)
+      active = ~s.done
+      num_generated = s.num_generated + active
+      return ARState(
+          step=s.step + 1,
+          last_token=token,
+          tokens=s.tokens.at[:, s.step].set(jnp.where(active, token, pad_id)),
+          num_generated=num_generated,
+          done=s.done | is_stop_token(token, stop_ids) | (num_generated >= budgets),
+          cache=cache.replace(lengths=s.cache.lengths + active),
+          features=with_features(s, fed))
 
   state = jax.lax.while_loop(cond, body, state)
   if feature_layers is None:

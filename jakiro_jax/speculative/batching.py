@@ -37,7 +37,7 @@ MIN_CACHE_CLASS = 512
 # a smaller cache for many short requests, at a program per rung they climb.
 MIN_CACHE_SLOTS_ENV = "JAKIRO_JAX_MIN_CACHE_SLOTS"
 # Batches of more rows start the ladder lower (halved for each doubling of the rows, down
-# to one prefill chunk): 10^4 rows of 3 new tokens each do not pad to 512 slots.
+# to `floor_slots`): 10^4 rows of 3 new tokens each do not pad to 512 slots.
 FULL_RUNG_ROWS = 8
 # Prompt tokens per prefill chunk, widest first (`autoregressive.chunked_prefill`: a wider
 # chunk while two thirds of it are prompt, then the narrowest to the end). On a CPU a

@@ -190,16 +190,14 @@ def main(argv):
     print("by operation: needs the compile cache on (JAKIRO_JAX_COMPILE_CACHE), which keeps "
           "the loop's executable")
     return
-  names = {}
-  for executable in loop:
-    names.update(op_names(executable.as_text()))
+  names, calls = executables_text(loop)
   trace_dir = tempfile.mkdtemp(prefix="profile_round_")
-  calls = 3
+  answers = 3
   with jax.profiler.trace(trace_dir):
-    traced = [runs["spec", new]() for _ in range(calls)]
+    traced = [runs["spec", new]() for _ in range(answers)]
   totals = thunk_ms(trace_dir, names)
   traced_rounds = sum(o.rounds for o in traced)
-  print(f"\nby operation, thread ms per round ({calls} answers, {traced_rounds} rounds, "
+  print(f"\nby operation, thread ms per round ({answers} answers, {traced_rounds} rounds, "
         "profiled):\n")
   print("| part of the round | ms | share |")
   print("|---|---|---|")
@@ -209,7 +207,7 @@ def main(argv):
     print(f"| {label} | {ms:.2f} | {totals.get(label, 0.0) / whole:.0%} |")
   print(f"| all | {whole / traced_rounds:.2f} | |")
   if _KERNELS.value:
-    verify = kernel_ms(trace_dir, names, executables_text(loop)[1], "spec_round/verify")
+    verify = kernel_ms(trace_dir, names, calls, "spec_round/verify")
     by_kernel(runs["ar", new], len(outputs["ar", new].tokens[0]), verify, traced_rounds)
 
 
